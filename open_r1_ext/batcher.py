@@ -1,0 +1,153 @@
+"""Server-side request batching for the built-in server.
+
+HTTP handlers submit work and await a future; one worker thread collects what arrives within a short window,
+runs all scoring in padded forwards and all sampling in one decode loop, then hands each caller its slice.
+Weight updates go through the same queue, so batches in flight finish on the old weights first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .engine import GenerationTask, ModelEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Work:
+    kind: str  # "score" | "generate" | "call"
+    payload: Any
+    future: Future
+
+
+class Batcher:
+    """Runs an engine's work on one thread, batching concurrent score and generate requests."""
+
+    def __init__(self, engine: ModelEngine, max_wait_ms: float = 5.0, max_batch_tokens: int = 32768, max_batch_seqs: int = 256):
+        self.engine = engine
+        self.max_wait = max_wait_ms / 1000.0
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_seqs = max_batch_seqs
+        self._queue: queue.Queue[_Work | None] = queue.Queue()
+        self._held: deque[_Work] = deque()
+        self.batches_run = 0
+        self._thread = threading.Thread(target=self._loop, name="open_r1_ext-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, kind: str, payload: Any) -> Future:
+        future: Future = Future()
+        self._queue.put(_Work(kind, payload, future))
+        return future
+
+    def score(self, sequences: list[list[int]]) -> Future:
+        return self.submit("score", sequences)
+
+    def generate(self, tasks: list[GenerationTask]) -> Future:
+        return self.submit("generate", tasks)
+
+    def call_exclusive(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` alone on the worker thread, after the batches queued before it (e.g. a weight reload)."""
+        return self.submit("call", fn)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---------------------------------------------------------------- worker
+    def _next(self, timeout: float | None = None) -> _Work | None:
+        if self._held:
+            return self._held.popleft()
+        return self._queue.get(timeout=timeout)
+
+    def _loop(self) -> None:
+        while True:
+            first = self._next()
+            if first is None:
+                return
+            if first.kind == "call":
+                self._run_call(first)
+                continue
+            batch = [first]
+            deadline = time.monotonic() + self.max_wait
+            while len(batch) < self.max_batch_seqs:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    item = self._next(timeout=remaining)
+                except queue.Empty:
+                    break
+                if item is None or item.kind == "call":
+                    self._held.append(item)  # type: ignore[arg-type]
+                    break
+                batch.append(item)
+            self._run_batch(batch)
+
+    def _run_call(self, work: _Work) -> None:
+        try:
+            work.future.set_result(work.payload())
+        except Exception as err:  # noqa: BLE001 - handed to the waiting request
+            work.future.set_exception(err)
+
+    def _run_batch(self, batch: list[_Work]) -> None:
+        self.batches_run += 1
+        scores = [w for w in batch if w.kind == "score"]
+        gens = [w for w in batch if w.kind == "generate"]
+        if scores:
+            self._guarded(scores, self._score_all)
+        if gens:
+            self._guarded(gens, self._generate_all)
+
+    @staticmethod
+    def _guarded(works: list[_Work], run: Callable[[list[_Work]], list[Any]]) -> None:
+        try:
+            results = run(works)
+        except Exception as err:  # noqa: BLE001 - every waiting request gets the error
+            logger.exception("batch failed")
+            for w in works:
+                w.future.set_exception(err)
+            return
+        for w, result in zip(works, results):
+            w.future.set_result(result)
+
+    def _score_all(self, works: list[_Work]) -> list[list[list[float]]]:
+        sequences = [seq for w in works for seq in w.payload]
+        scored: list[list[float]] = []
+        for chunk in _chunks_by_tokens(sequences, self.max_batch_tokens):
+            scored.extend(self.engine.score(chunk))
+        results, start = [], 0
+        for w in works:
+            results.append(scored[start : start + len(w.payload)])
+            start += len(w.payload)
+        return results
+
+    def _generate_all(self, works: list[_Work]) -> list[list[GenerationTask]]:
+        tasks = [t for w in works for t in w.payload]
+        self.engine.generate(tasks)
+        return [w.payload for w in works]
+
+
+def _chunks_by_tokens(sequences: list[list[int]], budget: int):
+    """Consecutive groups whose padded size (rows x longest) stays within `budget` (at least one row each)."""
+    chunk: list[list[int]] = []
+    longest = 0
+    for seq in sequences:
+        new_longest = max(longest, len(seq))
+        if chunk and new_longest * (len(chunk) + 1) > budget:
+            yield chunk
+            chunk, new_longest = [], len(seq)
+        chunk.append(seq)
+        longest = new_longest
+    if chunk:
+        yield chunk

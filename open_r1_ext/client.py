@@ -1,0 +1,265 @@
+"""HTTP client for SGLang's native protocol: reference log-probs, generation, and weight reloads.
+
+One class, `SGLangClient`, drives a real SGLang server and the built-in server (`open_r1_ext.serve`) alike.
+Every call has a timeout; connection errors and 5xx are retried with exponential back-off (urllib3 `Retry`);
+4xx is not retried and the server's message is raised. Large batches are split by a token budget and sent
+concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+import requests
+import torch
+from requests.adapters import HTTPAdapter
+from tqdm.auto import tqdm
+from urllib3.util.retry import Retry
+
+logger = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """The server could not be reached, or kept failing, within the retry budget."""
+
+
+class ServerRequestError(ServerError):
+    """The server rejected a request (HTTP 4xx); retrying would not help."""
+
+    def __init__(self, message: str, status_code: int):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+@dataclass
+class Completion:
+    """One sampled completion: token ids, their sampling log-probs, why it stopped, and the weights used."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: Optional[str]
+
+
+class SGLangClient:
+    """A client for an SGLang (or built-in) server.
+
+    Args:
+        base_url (`str`): the server's address, e.g. `"http://node-3:30000"`.
+        api_key (`str` or `None`, *optional*): sent as `Authorization: Bearer KEY`.
+        request_timeout (`float`, *optional*, defaults to `600.0`): seconds for one HTTP call.
+        max_retries (`int`, *optional*, defaults to `8`): retries of a call on connection errors and 5xx.
+        backoff_factor (`float`, *optional*, defaults to `0.5`): retry `k` waits `backoff_factor * 2**k` s (at most 30).
+        max_batch_tokens (`int`, *optional*, defaults to `65536`): token budget of one request; larger batches are
+            split and the parts sent concurrently.
+        max_concurrency (`int`, *optional*, defaults to `8`): requests in flight at once from this client.
+
+    Examples:
+        Start a server (`python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --port 30000`,
+        or `python -m open_r1_ext.serve --model-path DIR --port 30000`), then:
+
+        ```python
+        >>> client = SGLangClient("http://localhost:30000")
+        >>> client.wait_until_healthy(timeout=600)
+        >>> client.ref_logprobs([[1, 2, 3, 4]])
+        [tensor([-5.6, -5.7, -5.5])]
+        >>> client.generate([[1, 2, 3]], {"max_new_tokens": 4, "temperature": 1.0}, n=2, seeds=[0, 1])
+        [[Completion(token_ids=[17, 3, ...], logprobs=[...], finish_reason='length', weight_version='default'), ...]]
+        >>> client.update_weights_from_disk("/shared/run/weights/step-10", weight_version="10")
+        {'success': True, 'message': 'Succeeded to update model weights...', 'num_paused_requests': 0}
+        ```
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: Optional[str] = None,
+        request_timeout: float = 600.0,
+        max_retries: int = 8,
+        backoff_factor: float = 0.5,
+        max_batch_tokens: int = 65536,
+        max_concurrency: int = 8,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.request_timeout = request_timeout
+        self.max_batch_tokens = max_batch_tokens
+        self.max_concurrency = max_concurrency
+        self.session = requests.Session()
+        retry = Retry(
+            total=max_retries,
+            connect=max_retries,
+            read=max_retries,
+            status=max_retries,
+            other=0,
+            status_forcelist=(500, 502, 503, 504),
+            allowed_methods=None,  # our POSTs are idempotent: scoring, seeded sampling, reloading a path
+            backoff_factor=backoff_factor,
+            backoff_max=30.0,
+            raise_on_status=False,
+        )
+        adapter = HTTPAdapter(max_retries=retry, pool_connections=max_concurrency, pool_maxsize=max_concurrency)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, method: str, route: str, json: Any = None, timeout: Optional[float] = None) -> requests.Response:
+        url = f"{self.base_url}{route}"
+        try:
+            response = self.session.request(method, url, json=json, timeout=timeout or self.request_timeout)
+        except requests.RequestException as err:
+            raise ServerError(f"{url}: no answer within the retry budget: {err}") from err
+        if 400 <= response.status_code < 500:
+            raise ServerRequestError(f"{url} rejected the request (HTTP {response.status_code}): {_error_text(response)}", response.status_code)
+        if response.status_code >= 500:
+            raise ServerError(f"{url}: HTTP {response.status_code} after retries: {_error_text(response)}")
+        return response
+
+    def get_json(self, route: str, timeout: Optional[float] = None) -> Any:
+        return self._request("GET", route, timeout=timeout).json()
+
+    def post_json(self, route: str, body: dict, timeout: Optional[float] = None) -> Any:
+        return self._request("POST", route, json=body, timeout=timeout).json()
+
+    # ---------------------------------------------------------------- health
+    def is_healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            return requests.get(f"{self.base_url}/health", timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_until_healthy(self, timeout: float = 600.0, poll_interval: float = 1.0, progress: bool = True) -> None:
+        """Block until `/health` answers 200, showing elapsed time; raise `ServerError` after `timeout` seconds."""
+        start = time.monotonic()
+        with tqdm(total=None, desc=f"waiting for {self.base_url}", unit="s", disable=not progress, leave=False) as bar:
+            while not self.is_healthy():
+                elapsed = time.monotonic() - start
+                if elapsed > timeout:
+                    raise ServerError(
+                        f"{self.base_url} did not become healthy within {timeout:.0f} s "
+                        "(is the server job running, and is the URL right?)"
+                    )
+                time.sleep(poll_interval)
+                bar.update(round(time.monotonic() - start - bar.n))
+
+    def model_info(self) -> dict:
+        return self.get_json("/get_model_info")
+
+    def server_info(self) -> dict:
+        return self.get_json("/get_server_info")
+
+    def weight_version(self) -> Optional[str]:
+        return self.model_info().get("weight_version")
+
+    # ------------------------------------------------------------ the work
+    def ref_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Per-token log-probs `log p(t_i | t_<i)`, i = 1..len-1, of each whole sequence (a reference-model pass)."""
+        def body(batch):
+            return {
+                "input_ids": [list(map(int, s)) for s in batch],
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
+
+        results = self._batched_generate(list(sequences), body, [len(s) for s in sequences])
+        return [torch.tensor([entry[0] for entry in r["meta_info"]["input_token_logprobs"][1:]], dtype=torch.float32) for r in results]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: dict,
+        n: int = 1,
+        seeds: Optional[Sequence[int]] = None,
+    ) -> list[list[Completion]]:
+        """Sample `n` completions of each prompt; returns them prompt by prompt.
+
+        Each copy is its own request item with its own `sampling_seed` (from `seeds`, `len(prompts) * n` of them,
+        prompt-major), so copies differ even on a server in deterministic mode.
+        """
+        items = [list(map(int, p)) for p in prompts for _ in range(n)]
+        if seeds is not None and len(seeds) != len(items):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(items)} samples")
+        params = [dict(sampling, **({"sampling_seed": int(seeds[i])} if seeds is not None else {})) for i in range(len(items))]
+        indexed = list(zip(items, params))
+        max_new = int(sampling.get("max_new_tokens", 128))
+
+        def body(batch):
+            return {
+                "input_ids": [ids for ids, _ in batch],
+                "sampling_params": [p for _, p in batch],
+                "return_logprob": True,
+            }
+
+        results = self._batched_generate(indexed, body, [len(ids) + max_new for ids in items])
+        flat = [
+            Completion(
+                token_ids=list(r["output_ids"]),
+                logprobs=[float(e[0]) for e in r["meta_info"]["output_token_logprobs"]],
+                finish_reason=(r["meta_info"].get("finish_reason") or {}).get("type", "length"),
+                weight_version=r["meta_info"].get("weight_version"),
+            )
+            for r in results
+        ]
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None, **extra: Any) -> dict:
+        """Ask the server to load new weights from `model_path` (a directory it can read); raises on failure."""
+        body = {"model_path": str(model_path), **extra}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        url = f"{self.base_url}/update_weights_from_disk"
+        try:
+            result = self.post_json("/update_weights_from_disk", body)
+        except ServerRequestError as err:
+            raise ServerRequestError(f"{url} refused the weights in {model_path}: {err}", err.status_code) from err
+        if not result.get("success", False):
+            raise ServerRequestError(f"{url} refused the weights in {model_path}: {result.get('message')}", 400)
+        return result
+
+    # ------------------------------------------------------------- batching
+    def _batched_generate(self, items: list, body, sizes: list[int]) -> list[dict]:
+        """POST `/generate` for `items` in token-budgeted parts, concurrently; results in input order."""
+        if not items:
+            return []
+        parts = list(_split_by_budget(sizes, self.max_batch_tokens))
+
+        def send(span: tuple[int, int]) -> list[dict]:
+            start, stop = span
+            answer = self.post_json("/generate", body(items[start:stop]))
+            return answer if isinstance(answer, list) else [answer]
+
+        if len(parts) == 1:
+            return send(parts[0])
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(parts))) as pool:
+            return [r for chunk in pool.map(send, parts) for r in chunk]
+
+
+def _split_by_budget(sizes: Iterable[int], budget: int):
+    """Consecutive `(start, stop)` spans whose summed sizes stay within `budget` (at least one item each)."""
+    start, total = 0, 0
+    sizes = list(sizes)
+    for i, size in enumerate(sizes):
+        if i > start and total + size > budget:
+            yield start, i
+            start, total = i, 0
+        total += size
+    yield start, len(sizes)
+
+
+def _error_text(response: requests.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:500]
+    if isinstance(body, dict):
+        error = body.get("error", body.get("message", body))
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        return str(error)
+    return str(body)[:500]

@@ -1,0 +1,195 @@
+"""The built-in server's model work: batched log-prob scoring, batched sampling, and weight reloads.
+
+A `ModelEngine` owns one transformers causal LM on CPU or one GPU. It knows nothing of HTTP; the batcher
+(`open_r1_ext.batcher`) calls it from a single worker thread, so weights never change under a forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
+from .weight_files import WeightFileError, read_weight_dir
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class GenerationTask:
+    """One sequence to sample: a prompt, its settings and the seed of its own random generator."""
+
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish: Optional[tuple[str, int]] = None
+
+
+class ModelEngine:
+    """A causal LM that scores and samples token ids, and reloads its weights from a directory."""
+
+    def __init__(self, model_path: str, dtype: str = "auto", device: Optional[str] = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = str(model_path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch_dtype = DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch_dtype if torch_dtype is not None else "auto"
+        ).to(self.device)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.context_length = int(getattr(config, "max_position_embeddings", 2048))
+        eos = self.model.generation_config.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.loaded_path = self.model_path
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ---------------------------------------------------------------- scoring
+    @torch.inference_mode()
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """For each sequence, `log p(t_i | t_<i)` for i = 1..len-1, from one right-padded forward."""
+        longest = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
+        token_logprobs = _gather_logprobs(logits, ids[:, 1:])
+        return [token_logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
+
+    # ------------------------------------------------------------- generation
+    @torch.inference_mode()
+    def generate(self, tasks: list[GenerationTask]) -> list[GenerationTask]:
+        """Sample all tasks together: left-padded prefill, then one decode step per token with a KV cache.
+
+        Each task draws from its own `torch.Generator` seeded with `task.seed`, so a sample depends only on
+        its prompt, settings, seed and the weights, not on what it was batched with.
+        """
+        from transformers import DynamicCache
+
+        active = [t for t in tasks if t.params.max_new_tokens > 0]
+        for task in tasks:
+            if task.params.max_new_tokens == 0:
+                task.finish = ("length", 0)
+        if not active:
+            return tasks
+        longest = max(len(t.prompt) for t in active)
+        ids = torch.full((len(active), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(active), longest), dtype=torch.long)
+        for row, task in enumerate(active):
+            ids[row, longest - len(task.prompt) :] = torch.tensor(task.prompt)
+            mask[row, longest - len(task.prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        generators = [torch.Generator(device=self.device).manual_seed(t.seed) for t in active]
+        cache = DynamicCache()
+        step_input = ids
+        max_steps = max(t.params.max_new_tokens for t in active)
+        for _ in range(max_steps):
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1] :]
+            out = self.model(
+                input_ids=step_input, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1].float()
+            next_ids = torch.full((len(active),), self.pad_token_id, dtype=torch.long, device=self.device)
+            for row, task in enumerate(active):
+                if task.finish is None:
+                    next_ids[row] = self._sample_one(task, logits[row], generators[row])
+            step_input = next_ids[:, None]
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=self.device)], dim=1)
+            if all(t.finish is not None for t in active):
+                break
+        return tasks
+
+    def _sample_one(self, task: GenerationTask, logits: torch.Tensor, generator: torch.Generator) -> int:
+        """Pick the next token of one task, record its log-prob (temperature-scaled, as SGLang) and finish."""
+        params = task.params
+        if params.greedy:
+            logprobs = F.log_softmax(logits, dim=-1)
+            token = int(torch.argmax(logits))
+        else:
+            logprobs = F.log_softmax(logits / params.temperature, dim=-1)
+            filtered = _top_k_top_p(logprobs, params.top_k, params.top_p)
+            token = int(torch.multinomial(filtered.softmax(-1), 1, generator=generator))
+        task.output_ids.append(token)
+        task.output_logprobs.append(float(logprobs[token]))
+        stops = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops |= self.eos_token_ids
+        if token in stops:
+            task.finish = ("stop", token)
+        elif len(task.output_ids) >= params.max_new_tokens:
+            task.finish = ("length", len(task.output_ids))
+        return token
+
+    # ----------------------------------------------------------------- weights
+    @torch.inference_mode()
+    def load_weights(self, path: str, weight_version: Optional[str], mixup_alpha: Optional[float] = None) -> str:
+        """Replace the weights with those in `path` (a transformers directory), all or nothing.
+
+        Every tensor is read and checked against the model's names and shapes before any parameter changes;
+        on a problem `WeightFileError` is raised and the old weights stay in service. With `mixup_alpha`,
+        each parameter becomes `alpha * new + (1 - alpha) * old`.
+        """
+        params = dict(self.model.named_parameters())
+        tensors = read_weight_dir(Path(path))
+        tied = {name for name in self.model.state_dict() if name not in params}
+        unknown = sorted(set(tensors) - set(params) - tied)
+        missing = sorted(set(params) - set(tensors))
+        if unknown:
+            raise WeightFileError(f"{path}: tensors not in the served model: {', '.join(unknown[:5])}")
+        if missing:
+            raise WeightFileError(f"{path}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        for name, param in params.items():
+            if tuple(tensors[name].shape) != tuple(param.shape):
+                raise WeightFileError(
+                    f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, the served model needs {tuple(param.shape)}"
+                )
+        for name, param in params.items():
+            new = tensors[name].to(device=param.device, dtype=param.dtype)
+            if mixup_alpha is None or mixup_alpha == 1.0:
+                param.copy_(new)
+            else:
+                param.mul_(1.0 - mixup_alpha).add_(new, alpha=mixup_alpha)
+        self.loaded_path = str(path)
+        self.weight_version = weight_version if weight_version is not None else self.weight_version
+        how = f"mixed with alpha={mixup_alpha}" if mixup_alpha not in (None, 1.0) else "loaded"
+        return f"Succeeded to update model weights: {how} {len(params)} tensors from {path}."
+
+
+def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits)[targets]` without materialising the full log-softmax twice."""
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _top_k_top_p(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside the top-k and outside the smallest set with probability >= top_p."""
+    out = logprobs.clone()
+    if 0 < top_k < out.numel():
+        kth = torch.topk(out, top_k).values[-1]
+        out[out < kth] = float("-inf")
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(out, descending=True)
+        cumulative = sorted_lp.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_lp.softmax(-1) >= top_p
+        out[order[drop]] = float("-inf")
+    return out

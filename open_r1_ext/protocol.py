@@ -1,0 +1,106 @@
+"""The subset of SGLang's native HTTP protocol that the trainer uses, as validated request types.
+
+Field names, defaults and response shapes follow SGLang 0.5.23 (`sglang/srt/managers/io_struct.py`,
+`sglang/srt/entrypoints/http_server.py`). This is the one module that knows those names: the built-in
+server parses requests with these models, and the client builds its request bodies with them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+# SGLang's `temperature` below this means greedy decoding.
+GREEDY_TEMPERATURE = 1e-6
+# SGLang's `/get_model_info` reports this `weight_version` until an update sets one.
+DEFAULT_WEIGHT_VERSION = "default"
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(_Strict):
+    """Per-prompt sampling settings (SGLang `sampling_params`)."""
+
+    max_new_tokens: StrictInt = Field(128, ge=0)
+    temperature: Number = Field(1.0, ge=0.0)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = -1
+    stop_token_ids: Optional[list[StrictInt]] = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    n: StrictInt = Field(1, ge=1)
+    sampling_seed: Optional[StrictInt] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+class GenerateReqInput(_Strict):
+    """Body of `POST /generate`: one prompt (`input_ids: [int]`) or a batch (`[[int]]`)."""
+
+    input_ids: Union[list[StrictInt], list[list[StrictInt]]]
+    sampling_params: Union[SamplingParams, list[SamplingParams], None] = None
+    return_logprob: Union[StrictBool, list[StrictBool]] = False
+    logprob_start_len: Union[StrictInt, list[StrictInt]] = -1
+    top_logprobs_num: StrictInt = Field(0, ge=0, le=0)
+    return_text_in_logprobs: StrictBool = False
+    stream: StrictBool = Field(False, description="streaming is not supported by the built-in server")
+    rid: Union[StrictStr, list[StrictStr], None] = None
+
+    @property
+    def is_batch(self) -> bool:
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def prompts(self) -> list[list[int]]:
+        return self.input_ids if self.is_batch else [self.input_ids]  # type: ignore[return-value]
+
+    def per_prompt(self, value: Any, name: str) -> list[Any]:
+        """Broadcast a scalar-or-list request field to one value per prompt."""
+        count = len(self.prompts())
+        if isinstance(value, list):
+            if len(value) != count:
+                raise ValueError(f"'{name}' has {len(value)} entries for {count} prompts")
+            return value
+        return [value] * count
+
+    def sampling_per_prompt(self) -> list[SamplingParams]:
+        return self.per_prompt(self.sampling_params or SamplingParams(), "sampling_params")
+
+
+class UpdateWeightFromDiskReqInput(_Strict):
+    """Body of `POST /update_weights_from_disk`.
+
+    `mixup_alpha` is an extension of the built-in server (SGLang has no such field): the loaded weights
+    become `alpha * new + (1 - alpha) * old`, TRL's soft reference update.
+    """
+
+    model_path: StrictStr
+    load_format: Optional[StrictStr] = None
+    weight_version: Optional[StrictStr] = None
+    abort_all_requests: StrictBool = False
+    flush_cache: StrictBool = True
+    mixup_alpha: Optional[Number] = Field(None, gt=0.0, le=1.0)
+
+
+def logprob_entries(logprobs: list[Optional[float]], token_ids: list[int], texts: Optional[list[Optional[str]]] = None):
+    """SGLang's `[logprob, token_id, text-or-null]` triples."""
+    texts = texts or [None] * len(token_ids)
+    return [[lp, tid, text] for lp, tid, text in zip(logprobs, token_ids, texts)]
+
+
+def finish_reason(kind: str, matched_or_length: int) -> dict:
+    """SGLang's `finish_reason` object: `{"type": "stop", "matched": id}` or `{"type": "length", "length": n}`."""
+    if kind == "stop":
+        return {"type": "stop", "matched": matched_or_length}
+    return {"type": "length", "length": matched_or_length}
+
+
+def error_body(message: str) -> dict:
+    """SGLang's error body for a rejected request."""
+    return {"error": {"message": message}}

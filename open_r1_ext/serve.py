@@ -1,0 +1,265 @@
+"""The built-in inference server: SGLang's native HTTP protocol on top of a transformers model.
+
+    python -m open_r1_ext.serve --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
+
+Routes are thin: they validate with `open_r1_ext.protocol`, hand work to the `Batcher`, and shape SGLang's
+responses. It serves the same client as a real SGLang server (`/generate`, `/update_weights_from_disk`,
+`/get_model_info`, `/get_server_info`, `/health`, `/health_generate`, `/flush_cache`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from . import __version__
+from .batcher import Batcher
+from .engine import DTYPES, GenerationTask, ModelEngine
+from .protocol import (
+    GenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    error_body,
+    finish_reason,
+    logprob_entries,
+)
+from .weight_files import WeightFileError
+
+logger = logging.getLogger("open_r1_ext.serve")
+HEALTH_TIMEOUT_S = 20.0
+LOAD_FORMATS = (None, "auto", "safetensors")
+
+
+class BadRequest(ValueError):
+    """A request that is well-formed JSON but asks for something this model cannot do."""
+
+
+def _describe_validation_error(err: RequestValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        if e.get("type") == "json_invalid":
+            return f"body is not valid JSON ({e.get('ctx', {}).get('error', 'decode error')})"
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{where or 'body'}: {e.get('msg')}")
+    return "; ".join(parts)
+
+
+def create_app(engine: ModelEngine, batcher: Batcher, api_key: Optional[str] = None, random_seed: int = 0,
+               context_length: Optional[int] = None) -> FastAPI:
+    """The FastAPI application serving `engine` through `batcher`."""
+    app = FastAPI(title="open_r1_ext built-in server", version=__version__)
+    seeds = random.Random(random_seed)
+    max_len = context_length or engine.context_length
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key and not request.url.path.startswith("/health"):
+            if request.headers.get("Authorization") != f"Bearer {api_key}":
+                return JSONResponse(status_code=401, content={"error": "Unauthorized"})
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, err: RequestValidationError):
+        return JSONResponse(status_code=400, content=error_body(_describe_validation_error(err)))
+
+    @app.exception_handler(BadRequest)
+    async def on_bad_request(_request: Request, err: BadRequest):
+        return JSONResponse(status_code=400, content=error_body(str(err)))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if batcher.alive() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        task = GenerationTask(prompt=[0], params=_greedy_one_token(), seed=0)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(batcher.generate([task])), HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            logger.exception("health check generation failed")
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        config = engine.model.config
+        return {
+            "model_path": engine.loaded_path,
+            "tokenizer_path": engine.model_path,
+            "is_generation": True,
+            "weight_version": engine.weight_version,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+            "vocab_size": engine.vocab_size,
+        }
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        return {
+            "version": f"open_r1_ext-{__version__}",
+            "engine": "builtin",
+            "model_path": engine.model_path,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": str(engine.device),
+            "random_seed": random_seed,
+            "context_length": max_len,
+            "max_batch_wait_ms": batcher.max_wait * 1000.0,
+            "batches_run": batcher.batches_run,
+            "weight_version": engine.weight_version,
+        }
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput) -> JSONResponse:
+        if obj.load_format not in LOAD_FORMATS:
+            raise BadRequest(f"load_format {obj.load_format!r} is not supported by the built-in server; use 'auto'")
+        future = batcher.call_exclusive(lambda: engine.load_weights(obj.model_path, obj.weight_version, obj.mixup_alpha))
+        try:
+            message = await asyncio.wrap_future(future)
+        except (WeightFileError, OSError, ValueError, KeyError) as err:
+            logger.warning("weight update from %s refused: %s", obj.model_path, err)
+            content = {"success": False, "message": f"Failed to update weights: {err}", "num_paused_requests": 0}
+            return JSONResponse(status_code=400, content=content)
+        logger.info("%s (weight_version=%s)", message, engine.weight_version)
+        return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(obj: GenerateReqInput) -> Any:
+        prompts = obj.prompts()
+        try:
+            sampling = obj.sampling_per_prompt()
+            want_logprob = obj.per_prompt(obj.return_logprob, "return_logprob")
+            starts = obj.per_prompt(obj.logprob_start_len, "logprob_start_len")
+        except ValueError as err:
+            raise BadRequest(str(err)) from err
+        if obj.stream:
+            raise BadRequest("stream: streaming is not supported by the built-in server")
+        _check_prompts(prompts, sampling, starts, engine.vocab_size, max_len)
+
+        tasks: list[list[GenerationTask]] = []
+        for prompt, params in zip(prompts, sampling):
+            copies = []
+            for _ in range(params.n):
+                seed = params.sampling_seed if params.sampling_seed is not None else seeds.getrandbits(63)
+                copies.append(GenerationTask(prompt=list(prompt), params=params, seed=seed))
+            tasks.append(copies)
+        flat = [t for copies in tasks for t in copies]
+        to_score = [p for p, want, start in zip(prompts, want_logprob, starts) if want and start >= 0]
+        gen_future = asyncio.wrap_future(batcher.generate(flat))
+        scored_iter = iter(await asyncio.wrap_future(batcher.score(to_score)) if to_score else [])
+        await gen_future
+
+        outputs = []
+        for prompt, copies, want, start in zip(prompts, tasks, want_logprob, starts):
+            input_logprobs = None
+            if want:
+                input_logprobs = _input_logprob_entries(engine, prompt, next(scored_iter) if start >= 0 else None, start, obj.return_text_in_logprobs)
+            for task in copies:
+                outputs.append(_response(engine, task, input_logprobs, want, obj.return_text_in_logprobs))
+        return outputs if obj.is_batch or len(outputs) > 1 else outputs[0]
+
+    return app
+
+
+def _greedy_one_token():
+    from .protocol import SamplingParams
+
+    return SamplingParams(max_new_tokens=1, temperature=0.0)
+
+
+def _check_prompts(prompts, sampling, starts, vocab_size: int, max_len: int) -> None:
+    if not prompts:
+        raise BadRequest("input_ids: empty batch")
+    for index, (prompt, params, start) in enumerate(zip(prompts, sampling, starts)):
+        if not prompt:
+            raise BadRequest(f"input_ids[{index}]: empty sequence")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"input_ids[{index}]: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt) + params.max_new_tokens > max_len:
+            raise BadRequest(
+                f"input_ids[{index}]: the input ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                f"is longer than the model's context length ({max_len} tokens)"
+            )
+        if not -1 <= start < len(prompt):
+            raise BadRequest(f"logprob_start_len[{index}]: {start} is outside [-1, {len(prompt) - 1}]")
+        stops = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
+        if stops:
+            raise BadRequest(f"sampling_params.stop_token_ids: token id {stops[0]} is outside the vocabulary")
+
+
+def _token_texts(engine: ModelEngine, ids: list[int], want_text: bool):
+    return [engine.tokenizer.decode([t]) for t in ids] if want_text else None
+
+
+def _input_logprob_entries(engine, prompt, scored, start, want_text):
+    """SGLang's `input_token_logprobs`: from `logprob_start_len` on, the first prompt token's logprob null."""
+    if start < 0:
+        return []
+    values = [None] + list(scored)
+    ids = prompt[start:]
+    return logprob_entries(values[start:], ids, _token_texts(engine, ids, want_text))
+
+
+def _response(engine: ModelEngine, task: GenerationTask, input_logprobs, want_logprob: bool, want_text: bool) -> dict:
+    kind, value = task.finish or ("length", len(task.output_ids))
+    meta: dict[str, Any] = {
+        "id": None,
+        "finish_reason": finish_reason(kind, value),
+        "prompt_tokens": len(task.prompt),
+        "completion_tokens": len(task.output_ids),
+        "cached_tokens": 0,
+        "weight_version": engine.weight_version,
+    }
+    if want_logprob:
+        meta["input_token_logprobs"] = input_logprobs
+        meta["output_token_logprobs"] = logprob_entries(
+            task.output_logprobs, task.output_ids, _token_texts(engine, task.output_ids, want_text)
+        )
+    text = engine.tokenizer.decode(task.output_ids, skip_special_tokens=task.params.skip_special_tokens)
+    return {"text": text, "output_ids": task.output_ids, "meta_info": meta}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m open_r1_ext.serve", description="The built-in SGLang-protocol server.")
+    parser.add_argument("--model-path", required=True, help="transformers model directory (or hub name, if reachable)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health*")
+    parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--random-seed", type=int, default=0, help="seeds the samples that carry no sampling_seed")
+    parser.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
+    parser.add_argument("--max-batch-wait-ms", type=float, default=5.0, help="how long to collect requests into one batch")
+    parser.add_argument("--max-batch-tokens", type=int, default=32768, help="padded tokens per scoring forward")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import torch
+    import uvicorn
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.manual_seed(args.random_seed)
+    engine = ModelEngine(args.model_path, dtype=args.dtype, device=args.device)
+    batcher = Batcher(engine, max_wait_ms=args.max_batch_wait_ms, max_batch_tokens=args.max_batch_tokens)
+    app = create_app(engine, batcher, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length)
+    logger.info("serving %s (%s, %s) on http://%s:%d", args.model_path, engine.dtype, engine.device, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+
+
+if __name__ == "__main__":
+    main()

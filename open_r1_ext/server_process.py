@@ -1,0 +1,85 @@
+"""Start and stop a built-in server as a child process, on a free port, with its log in a file.
+
+Used by `make demo`, the local launcher and the tests: `with BuiltinServer(model_path) as server: server.url`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .client import SGLangClient, ServerError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class BuiltinServer:
+    """`python -m open_r1_ext.serve` in a subprocess; `start()` returns once `/health` answers."""
+
+    def __init__(
+        self,
+        model_path: str,
+        port: Optional[int] = None,
+        host: str = "127.0.0.1",
+        log_path: Optional[str] = None,
+        extra_args: tuple[str, ...] = (),
+        startup_timeout: float = 120.0,
+    ):
+        self.model_path = str(model_path)
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_path = Path(log_path) if log_path else None
+        self.extra_args = tuple(extra_args)
+        self.startup_timeout = startup_timeout
+        self.process: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "open_r1_ext.serve", "--model-path", self.model_path,
+                "--host", self.host, "--port", str(self.port), "--log-level", "warning", *self.extra_args]
+
+    def start(self) -> "BuiltinServer":
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        client = SGLangClient(self.url)
+        deadline = time.monotonic() + self.startup_timeout
+        where = f"; see {self.log_path}" if self.log_path else ""
+        while not client.is_healthy(timeout=2.0):
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"built-in server for {self.model_path} exited with code {code} while starting{where}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(f"built-in server for {self.model_path} not healthy after {self.startup_timeout:.0f} s{where}")
+            time.sleep(0.25)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, sig)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "BuiltinServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

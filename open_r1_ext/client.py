@@ -40,7 +40,7 @@ class Completion:
     """One sampled completion: token ids, their sampling log-probs, why it stopped, and the weights used."""
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: Optional[list[float]]
     finish_reason: str
     weight_version: Optional[str]
 
@@ -127,17 +127,19 @@ class SGLangClient:
         return self._request("POST", route, json=body, timeout=timeout).json()
 
     # ---------------------------------------------------------------- health
-    def is_healthy(self, timeout: float = 5.0) -> bool:
+    def is_healthy(self, timeout: float = 5.0, route: str = "/health") -> bool:
         try:
-            return requests.get(f"{self.base_url}/health", timeout=timeout).status_code == 200
+            # no retries here: the caller polls
+            return requests.get(f"{self.base_url}{route}", timeout=timeout, headers=dict(self.session.headers)).status_code == 200
         except requests.RequestException:
             return False
 
-    def wait_until_healthy(self, timeout: float = 600.0, poll_interval: float = 1.0, progress: bool = True) -> None:
-        """Block until `/health` answers 200, showing elapsed time; raise `ServerError` after `timeout` seconds."""
+    def wait_until_healthy(self, timeout: float = 600.0, poll_interval: float = 1.0, progress: bool = True,
+                           route: str = "/health") -> None:
+        """Block until `route` answers 200, showing elapsed time; raise `ServerError` after `timeout` seconds."""
         start = time.monotonic()
         with tqdm(total=None, desc=f"waiting for {self.base_url}", unit="s", disable=not progress, leave=False) as bar:
-            while not self.is_healthy():
+            while not self.is_healthy(route=route):
                 elapsed = time.monotonic() - start
                 if elapsed > timeout:
                     raise ServerError(

@@ -88,6 +88,36 @@ class UpdateWeightFromDiskReqInput(_Strict):
     mixup_alpha: Optional[Number] = Field(None, gt=0.0, le=1.0)
 
 
+class CompletionRequest(BaseModel):
+    """Body of `POST /v1/completions` (OpenAI), the fields the built-in server honours; others are ignored.
+
+    `return_tokens_as_token_ids` (a vLLM extension) makes `logprobs.tokens` read `"token_id:N"`.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    prompt: Union[list[StrictInt], list[list[StrictInt]]]
+    n: StrictInt = Field(1, ge=1)
+    max_tokens: StrictInt = Field(16, ge=0)
+    temperature: Number = Field(1.0, ge=0.0)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = -1
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=0)
+    seed: Optional[StrictInt] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    return_tokens_as_token_ids: StrictBool = False
+    skip_special_tokens: StrictBool = True
+
+    def prompts(self) -> list[list[int]]:
+        return self.prompt if self.prompt and isinstance(self.prompt[0], list) else [self.prompt]  # type: ignore[return-value]
+
+    def sampling(self, seed: Optional[int]) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, stop_token_ids=self.stop_token_ids, sampling_seed=seed,
+                              skip_special_tokens=self.skip_special_tokens)
+
+
 def logprob_entries(logprobs: list[Optional[float]], token_ids: list[int], texts: Optional[list[Optional[str]]] = None):
     """SGLang's `[logprob, token_id, text-or-null]` triples."""
     texts = texts or [None] * len(token_ids)

@@ -23,6 +23,7 @@ from . import __version__
 from .batcher import Batcher
 from .engine import DTYPES, GenerationTask, ModelEngine
 from .protocol import (
+    CompletionRequest,
     GenerateReqInput,
     UpdateWeightFromDiskReqInput,
     error_body,
@@ -168,6 +169,35 @@ def create_app(engine: ModelEngine, batcher: Batcher, api_key: Optional[str] = N
             for task in copies:
                 outputs.append(_response(engine, task, input_logprobs, want, obj.return_text_in_logprobs))
         return outputs if obj.is_batch or len(outputs) > 1 else outputs[0]
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [{"id": engine.model_path, "object": "model", "owned_by": "open_r1_ext"}]}
+
+    @app.post("/v1/completions")
+    async def completions(obj: CompletionRequest) -> dict:
+        prompts = obj.prompts()
+        copies = [obj.sampling(None if obj.seed is None else obj.seed + i) for i in range(len(prompts) * obj.n)]
+        _check_prompts(prompts, copies[:: obj.n], [-1] * len(prompts), engine.vocab_size, max_len)
+        tasks = [
+            GenerationTask(prompt=list(prompts[i // obj.n]), params=params,
+                           seed=params.sampling_seed if params.sampling_seed is not None else seeds.getrandbits(63))
+            for i, params in enumerate(copies)
+        ]
+        await asyncio.wrap_future(batcher.generate(tasks))
+        choices = []
+        for index, task in enumerate(tasks):
+            logprobs = None
+            if obj.logprobs is not None:
+                tokens = ([f"token_id:{t}" for t in task.output_ids] if obj.return_tokens_as_token_ids
+                          else [engine.tokenizer.decode([t]) for t in task.output_ids])
+                logprobs = {"tokens": tokens, "token_logprobs": task.output_logprobs}
+            text = engine.tokenizer.decode(task.output_ids, skip_special_tokens=obj.skip_special_tokens)
+            kind = task.finish[0] if task.finish else "length"
+            choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": kind})
+        usage = sum(len(t.output_ids) for t in tasks)
+        return {"object": "text_completion", "model": obj.model or engine.model_path, "choices": choices,
+                "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": usage}}
 
     return app
 

@@ -1,0 +1,219 @@
+"""`RemoteGRPOTrainer`: TRL's `GRPOTrainer` with the reference model and generation on a remote server.
+
+It overrides two narrow hooks of trl 1.16.0 and copies none of its loop:
+- `_get_per_token_logps_and_entropies`: for the reference model, the log-probs come from the server;
+- `_generate_single_turn`: completions come from the server as token ids, with their sampling log-probs.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Optional
+
+import torch
+from trl import GRPOTrainer
+
+from .client import ServerError, SGLangClient
+from .config import RemoteGRPOConfig
+from .openai_client import OpenAICompletionsClient
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteReference:
+    """Stands in for `trainer.ref_model` when the reference lives on a server: it holds a client, no parameters."""
+
+    def __init__(self, client: SGLangClient):
+        self.client = client
+
+    def __repr__(self) -> str:
+        return f"RemoteReference({self.client.base_url})"
+
+
+class RemoteGRPOTrainer(GRPOTrainer):
+    """A `GRPOTrainer` whose reference model and/or generation run on SGLang-protocol servers.
+
+    Takes the same arguments as [`~trl.GRPOTrainer`], with `args` a [`RemoteGRPOConfig`]. With `ref_model_url` set
+    (and `beta > 0`) no reference model is built; with `generation_url` set, completions are sampled by the server.
+
+    Example:
+        ```python
+        from open_r1_ext import RemoteGRPOConfig, RemoteGRPOTrainer
+
+        args = RemoteGRPOConfig(output_dir="out", beta=0.04, ref_model_url="http://node-3:30000",
+                                generation_url="http://node-3:30000")
+        trainer = RemoteGRPOTrainer(model="Qwen/Qwen2.5-1.5B-Instruct", reward_funcs=accuracy_reward,
+                                    args=args, train_dataset=dataset)
+        trainer.train()
+        ```
+    """
+
+    def __init__(self, model, reward_funcs, args: RemoteGRPOConfig, *pargs, **kwargs):
+        if not isinstance(args, RemoteGRPOConfig):
+            raise TypeError(f"RemoteGRPOTrainer needs a RemoteGRPOConfig, got {type(args).__name__}")
+        if args.generation_url and kwargs.get("rollout_func") is not None:
+            raise ValueError("rollout_func and generation_url are exclusive: the server does the rollout")
+        remote_reference = args.remote_reference
+        beta, sync_ref_model = args.beta, args.sync_ref_model
+        if remote_reference:
+            # TRL builds a local reference model whenever beta != 0; hide beta while it initialises.
+            args.beta, args.sync_ref_model = 0.0, False
+        try:
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        finally:
+            args.beta, args.sync_ref_model = beta, sync_ref_model
+        self.beta = beta
+
+        self.ref_client = self._client(args.ref_model_url) if remote_reference else None
+        if remote_reference:
+            self.ref_model = RemoteReference(self.ref_client)
+            if args.temperature != 1.0:
+                logger.warning(
+                    "temperature=%s: the server's reference log-probs are unscaled (temperature 1), while TRL's local "
+                    "reference is scaled by the temperature; the KL term uses the unscaled reference.", args.temperature
+                )
+        self.generation_client = None
+        if args.generation_url:
+            if args.generation_backend == "openai":
+                self.generation_client = OpenAICompletionsClient(
+                    args.generation_url, tokenizer=self.processing_class, model=args.generation_model_name,
+                    api_key=args.server_api_key, request_timeout=args.request_timeout, max_retries=args.max_retries,
+                )
+            else:
+                self.generation_client = self._client(args.generation_url)
+            # TRL applies its importance-sampling correction (sampling log-probs vs. the trainer's) only on its vLLM
+            # path; the flag is read nowhere else once `_generate_single_turn` is ours.
+            self.use_vllm = bool(args.vllm_importance_sampling_correction)
+        self._check_servers()
+
+    # ----------------------------------------------------------------- set-up
+    def _client(self, url: str) -> SGLangClient:
+        args = self.args
+        return SGLangClient(url, api_key=args.server_api_key, request_timeout=args.request_timeout,
+                            max_retries=args.max_retries, max_batch_tokens=args.max_batch_tokens)
+
+    def _check_servers(self) -> None:
+        """Wait for each server, then refuse to train if it serves another model or vocabulary than ours."""
+        progress = self.accelerator.is_main_process
+        for role, client in (("reference", self.ref_client), ("generation", self.generation_client)):
+            if client is None:
+                continue
+            client.wait_until_healthy(timeout=self.args.server_wait_timeout, progress=progress)
+            mismatch = describe_model_mismatch(client.model_info(), self.model.config, len(self.processing_class))
+            if mismatch:
+                raise ValueError(f"The {role} server at {client.base_url} serves another model than the trainer's: {mismatch}")
+
+    # ------------------------------------------------------------------ hooks
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if isinstance(model, RemoteReference):
+            return remote_completion_logps(model.client, input_ids, attention_mask, logits_to_keep), None, None
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.generation_client is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if images:
+            raise ValueError("remote generation (generation_url) serves text prompts only")
+        unique, n = group_repeated_prompts(prompt_ids, num_generations)
+        seeds = self._sampling_seeds(len(prompt_ids))
+        groups = self.generation_client.generate(unique, self._remote_sampling_params(), n=n, seeds=seeds)
+        completions = [c for group in groups for c in group]
+        completion_ids = [c.token_ids for c in completions]
+        logprobs = [c.logprobs for c in completions] if all(c.logprobs is not None for c in completions) else None
+        if logprobs is None and self.use_vllm:
+            self.use_vllm = False  # no sampling log-probs from this server: no importance-sampling correction
+        self._record_weight_versions(completions)
+        return completion_ids, logprobs
+
+    # --------------------------------------------------------------- helpers
+    def _remote_sampling_params(self) -> dict:
+        params = {
+            "max_new_tokens": self.max_completion_length,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k and self.top_k > 0 else -1,
+            "stop_token_ids": list(self.eos_token_ids),
+        }
+        if self.min_p is not None:
+            params["min_p"] = self.min_p
+        if self.repetition_penalty != 1.0:
+            params["repetition_penalty"] = self.repetition_penalty
+        params.update(self.args.generation_kwargs or {})
+        return params
+
+    def _sampling_seeds(self, count: int) -> list[int]:
+        """One seed per sample, a function of (seed, step, mode, rank): a retried or resumed step samples the same."""
+        mode = "train" if self.model.training else "eval"
+        rng = random.Random(f"{self.args.seed}/{self.state.global_step}/{mode}/{self.accelerator.process_index}")
+        return [rng.getrandbits(63) for _ in range(count)]
+
+    def _record_weight_versions(self, completions) -> None:
+        versions = [c.weight_version for c in completions if c.weight_version is not None]
+        numeric = [int(v) for v in versions if str(v).lstrip("-").isdigit()]
+        if numeric:
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["remote/weight_version_min"].append(float(min(numeric)))
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        except ServerError as err:
+            checkpoint = self._save_resumable_checkpoint()
+            raise ServerError(
+                f"{err}\nTraining stopped at step {self.state.global_step}. A checkpoint to resume from is in {checkpoint} "
+                "(run the same command again with resume_from_checkpoint set, once the server is back)."
+            ) from err
+
+    def _save_resumable_checkpoint(self) -> Optional[str]:
+        try:
+            self._save_checkpoint(self.model_wrapped, trial=None)
+        except Exception:  # noqa: BLE001 - the server error is what the user must see
+            logger.exception("could not save a checkpoint after the server failure")
+            return None
+        return f"{self.args.output_dir}/checkpoint-{self.state.global_step}"
+
+
+def group_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], int]:
+    """`(unique prompts, n)` when the list is runs of `n` identical prompts (TRL's layout), else `(prompts, 1)`."""
+    if n > 1 and len(prompt_ids) % n == 0:
+        unique = prompt_ids[::n]
+        if all(prompt_ids[i] == unique[i // n] for i in range(len(prompt_ids))):
+            return unique, n
+    return prompt_ids, 1
+
+
+def remote_completion_logps(client: SGLangClient, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            logits_to_keep: int) -> torch.Tensor:
+    """Reference log-probs of the last `logits_to_keep` positions, laid out exactly as TRL's local reference.
+
+    Each row is sent without its padding; entry `j` of the result is `log p(token at column T-K+j | tokens
+    before it)`, and 0 where the column is padding (as TRL's fused LM head gives for masked labels).
+    """
+    rows = input_ids.tolist()
+    masks = attention_mask.bool().tolist()
+    sequences = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(rows, masks)]
+    scored = client.ref_logprobs(sequences)
+    width = input_ids.size(1)
+    out = torch.zeros((len(rows), logits_to_keep), dtype=torch.float32)
+    for row, mask in enumerate(masks):
+        first = mask.index(True)
+        for j in range(logits_to_keep):
+            column = width - logits_to_keep + j
+            if mask[column] and column > first:
+                out[row, j] = scored[row][column - first - 1]
+    return out.to(input_ids.device)
+
+
+def describe_model_mismatch(model_info: dict, config, tokenizer_size: int) -> Optional[str]:
+    """What differs between a server's `/get_model_info` and the trainer's model, or None if nothing we can see."""
+    problems = []
+    vocab = model_info.get("vocab_size")
+    if vocab is not None and vocab != config.vocab_size:
+        problems.append(f"vocabulary size {vocab} on the server, {config.vocab_size} in the trainer's model")
+    if vocab is not None and tokenizer_size > vocab:
+        problems.append(f"the trainer's tokenizer has {tokenizer_size} tokens, more than the server's vocabulary ({vocab})")
+    server_type = model_info.get("model_type")
+    if server_type is not None and server_type != getattr(config, "model_type", None):
+        problems.append(f"model_type {server_type!r} on the server, {config.model_type!r} in the trainer")
+    return "; ".join(problems) or None

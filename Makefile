@@ -1,0 +1,30 @@
+# `make demo` and `make test` are all the set-up a fresh clone needs: each creates .venv first when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TINY_MODEL := runs/tiny-model
+
+.PHONY: demo test venv tiny-model clean
+
+venv: $(VENV)/.installed
+
+# torch is pinned to the CPU wheel first; constraints.txt keeps every later install from replacing it.
+$(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
+	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $@
+
+tiny-model: $(TINY_MODEL)/config.json
+
+$(TINY_MODEL)/config.json: tools/make_tiny_model.py tools/data/tiny_corpus.txt | venv
+	$(PY) tools/make_tiny_model.py $(TINY_MODEL) --seed 0
+
+demo: venv tiny-model
+	$(PY) -m open_r1_ext.train --config recipes/tiny/grpo.yaml --set trainer.output_dir=runs/demo
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf runs

@@ -1,0 +1,132 @@
+"""The training entry point: `python -m open_r1_ext.train --config RECIPE.yaml` (or `open-r1-ext train RECIPE`).
+
+Reads top to bottom as the story of a run: load and validate the recipe, find the last checkpoint, load the
+prompts and rewards, find (or, for the built-in engine on a laptop, start) the servers, build the trainer,
+train, save. Server URLs come from `--server-url`/`--ref-url`, else the launcher's environment
+(`OPEN_R1_EXT_SERVER_URL`, `OPEN_R1_EXT_REF_URL`), else the recipe's `server.url`/`server.ref_url`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+from transformers import TrainerCallback
+
+from .recipe import Recipe, RecipeError, load_recipe
+
+logger = logging.getLogger("open_r1_ext.train")
+SERVER_URL_ENV, REF_URL_ENV = "OPEN_R1_EXT_SERVER_URL", "OPEN_R1_EXT_REF_URL"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        recipe = load_recipe(args.config, args.set)
+    except RecipeError as err:
+        print(err, file=sys.stderr)
+        return 2
+    run(recipe, server_url=args.server_url, ref_url=args.ref_url)
+    return 0
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m open_r1_ext.train", description="GRPO with a remote reference and generation.")
+    parser.add_argument("--config", required=True, help="the recipe YAML")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe value, e.g. --set trainer.max_steps=5 (repeatable)")
+    parser.add_argument("--server-url", default=None, help="generation (and, with layout: shared, reference) server")
+    parser.add_argument("--ref-url", default=None, help="reference server, with layout: separate")
+    return parser.parse_args(argv)
+
+
+def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str] = None):
+    """Train as the recipe says; returns the trainer."""
+    from transformers import set_seed
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from .data import load_prompts
+    from .trainer import RemoteGRPOTrainer
+
+    set_seed(recipe.trainer.get("seed", 42))
+    output_dir = Path(recipe.output_dir)
+    last_checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    if last_checkpoint:
+        logger.info("resuming from %s", last_checkpoint)
+    dataset = load_prompts(recipe.data)
+    reward_funcs = build_rewards(recipe)
+
+    with servers(recipe, server_url, ref_url) as (generation_url, ref_model_url):
+        args = recipe.trainer_config(generation_url=generation_url, ref_model_url=ref_model_url)
+        trainer = RemoteGRPOTrainer(
+            model=recipe.model.name_or_path, reward_funcs=reward_funcs, args=args, train_dataset=dataset
+        )
+        trainer.add_callback(StepPrinter())
+        trainer.train(resume_from_checkpoint=last_checkpoint)
+        trainer.save_model(str(output_dir))
+    logger.info("training finished: model saved to %s", output_dir)
+    return trainer
+
+
+def build_rewards(recipe: Recipe) -> list:
+    from .rewards import resolve_reward
+
+    funcs = []
+    for spec in recipe.rewards:
+        func = resolve_reward(spec.name)
+        if spec.kwargs:
+            func = functools.update_wrapper(functools.partial(func, **spec.kwargs), func)
+        funcs.append(func)
+    return funcs
+
+
+@contextlib.contextmanager
+def servers(recipe: Recipe, server_url: Optional[str], ref_url: Optional[str]) -> Iterator[tuple[Optional[str], Optional[str]]]:
+    """`(generation_url, ref_model_url)`: given, from the environment or recipe, or embedded built-in servers."""
+    server = recipe.server
+    server_url = server_url or os.environ.get(SERVER_URL_ENV) or server.url
+    ref_url = ref_url or os.environ.get(REF_URL_ENV) or server.ref_url
+    needs_ref_server = server.layout == "separate"
+    with contextlib.ExitStack() as stack:
+        if server_url is None or (needs_ref_server and ref_url is None):
+            if server.engine != "builtin":
+                raise SystemExit(
+                    f"{recipe.path}: no {server.engine} server URL. Start one (sbatch slurm/serve.slurm {recipe.path}), "
+                    "or pass --server-url, or set server.url; only engine: builtin starts an embedded server."
+                )
+            if server_url is None:
+                server_url = stack.enter_context(embedded_server(recipe, "server")).url
+            if needs_ref_server and ref_url is None:
+                ref_url = stack.enter_context(embedded_server(recipe, "ref-server")).url
+        yield server_url, (ref_url if needs_ref_server else server_url)
+
+
+def embedded_server(recipe: Recipe, name: str):
+    from .server_process import BuiltinServer
+
+    log = Path(recipe.output_dir) / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("starting an embedded built-in server on %s (log: %s)", recipe.server_model_path, log)
+    return BuiltinServer(recipe.server_model_path, log_path=str(log),
+                         extra_args=("--dtype", recipe.server.dtype, *map(str, recipe.server.extra_args)))
+
+
+class StepPrinter(TrainerCallback):
+    """One line per logged step: reward, KL and loss, for humans watching a terminal or a SLURM log."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "reward" not in logs:
+            return
+        extras = "".join(f"  {k} {logs[k]:.4f}" for k in ("kl", "loss") if k in logs)
+        print(f"step {state.global_step:>4}  reward {logs['reward']:.4f}{extras}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The `open-r1-ext` command: one entry for every user-facing action.
+
+    open-r1-ext train RECIPE [--set SECTION.KEY=VALUE ...] [--server-url URL] [--ref-url URL]
+    open-r1-ext validate RECIPE [RECIPE ...]
+    open-r1-ext new-recipe --from RECIPE --model ORG/NAME OUT
+    open-r1-ext serve --model-path DIR [--port P ...]        (the built-in server)
+
+Each subcommand imports only what it needs, so `validate` answers in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from . import train
+
+    argv = ["--config", args.recipe, *(f"--set={s}" for s in args.set)]
+    if args.server_url:
+        argv += ["--server-url", args.server_url]
+    if args.ref_url:
+        argv += ["--ref-url", args.ref_url]
+    return train.main(argv)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .recipe import RecipeError, load_recipe
+
+    failed = 0
+    for path in args.recipes:
+        try:
+            recipe = load_recipe(path, args.set)
+        except RecipeError as err:
+            print(err, file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{path}: ok ({recipe.server.engine} server, {recipe.slurm.trainer.num_processes} trainer process(es))")
+    return 1 if failed else 0
+
+
+def cmd_new_recipe(args: argparse.Namespace) -> int:
+    """Copy a recipe for another model: the model, the server's model path and the output dir change, comments stay."""
+    import re
+
+    from .recipe import RecipeError, load_recipe
+
+    source = Path(args.source)
+    try:
+        recipe = load_recipe(source, check_paths=False)
+    except RecipeError as err:
+        print(err, file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        print(f"{out} exists; pass --force to overwrite", file=sys.stderr)
+        return 2
+    old_model = recipe.model.name_or_path
+    short = args.model.rstrip("/").split("/")[-1]
+    text = source.read_text().replace(old_model, args.model)
+    text = re.sub(r"(?m)^(\s*output_dir:\s*).*$", lambda m: f"{m.group(1)}runs/{short}", text, count=1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out} (model {args.model}); check it with: open-r1-ext validate {out}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    from . import serve
+
+    serve.main(rest)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="open-r1-ext", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train as a recipe says (starts an embedded built-in server if none is given)")
+    train.add_argument("recipe")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    train.add_argument("--server-url", default=None)
+    train.add_argument("--ref-url", default=None)
+    train.set_defaults(func=cmd_train)
+
+    validate = sub.add_parser("validate", help="check recipes; exit status 1 if any is invalid")
+    validate.add_argument("recipes", nargs="+")
+    validate.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    validate.set_defaults(func=cmd_validate)
+
+    new = sub.add_parser("new-recipe", help="copy a recipe for another model")
+    new.add_argument("--from", dest="source", required=True)
+    new.add_argument("--model", required=True, help="hub id (org/name) or local path of the new model")
+    new.add_argument("--force", action="store_true")
+    new.add_argument("out")
+    new.set_defaults(func=cmd_new_recipe)
+
+    serve = sub.add_parser("serve", help="the built-in server (same flags as python -m open_r1_ext.serve)", add_help=False)
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,6 +39,8 @@ class Batcher:
         self._queue: queue.Queue[_Work | None] = queue.Queue()
         self._held: deque[_Work] = deque()
         self.batches_run = 0
+        self.sequences_generated = 0
+        self.sequences_scored = 0
         self._thread = threading.Thread(target=self._loop, name="open_r1_ext-batcher", daemon=True)
         self._thread.start()
 
@@ -123,6 +125,7 @@ class Batcher:
 
     def _score_all(self, works: list[_Work]) -> list[list[list[float]]]:
         sequences = [seq for w in works for seq in w.payload]
+        self.sequences_scored += len(sequences)
         scored: list[list[float]] = []
         for chunk in _chunks_by_tokens(sequences, self.max_batch_tokens):
             scored.extend(self.engine.score(chunk))
@@ -135,6 +138,7 @@ class Batcher:
     def _generate_all(self, works: list[_Work]) -> list[list[GenerationTask]]:
         tasks = [t for w in works for t in w.payload]
         self.engine.generate(tasks)
+        self.sequences_generated += len(tasks)
         return [w.payload for w in works]
 
 

@@ -6,7 +6,7 @@ Read by `RemoteGRPOTrainer`; a recipe's `trainer:` section is parsed into it (`o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from trl import GRPOConfig
 
@@ -53,6 +53,26 @@ class RemoteGRPOConfig(GRPOConfig):
             Seconds to wait at start-up for the servers to answer `/health`.
         max_batch_tokens (`int`, *optional*, defaults to `65536`):
             Token budget of one request; larger batches are split and the parts sent concurrently.
+
+        > Weight sync
+
+        weight_sync_steps (`int`, *optional*, defaults to `1`):
+            Every this many optimizer steps the policy is dumped to `sync_dir` and the generation server reloads it
+            (`/update_weights_from_disk`); 1 is on-policy GRPO, 0 never syncs (generation stays on the initial weights).
+        sync_dir (`str` or `None`, *optional*, defaults to `None`):
+            Directory the servers can read (a shared file system on a cluster) for the dumps `step-<N>/`; defaults
+            to `<output_dir>/weights`.
+        keep_last_dumps (`int`, *optional*, defaults to `2`):
+            Dumps kept on disk; older ones are deleted once a server confirmed a newer one. 0 keeps all.
+        max_weight_staleness (`int`, *optional*, defaults to `0`):
+            When a reload fails after its retries, training stops (0) unless the generation weights are at most this
+            many steps old, in which case it goes on with a warning.
+        ref_model_sync_steps (`int` or `None`, *optional*, defaults to `None`):
+            With `sync_ref_model=True`, sync the reference every this many steps (TRL's τ; 512 when neither this nor
+            `ref_model_sync_epochs` is given). With a remote reference, a sync is a dump the reference server reloads.
+        ref_model_sync_epochs (`int`, `float` or `None`, *optional*, defaults to `None`):
+            With `sync_ref_model=True`, sync the reference every this many epochs: an int >= 1, or a float in (0, 1)
+            for a fraction of an epoch (DeepSeekMath syncs once per epoch). Give this or `ref_model_sync_steps`.
     """
 
     ref_model_url: Optional[str] = field(
@@ -85,7 +105,43 @@ class RemoteGRPOConfig(GRPOConfig):
         default=65536, metadata={"help": "Token budget of one request; larger batches are split and sent concurrently."}
     )
 
+    weight_sync_steps: int = field(
+        default=1, metadata={"help": "Sync the generation server's weights every this many steps (0: never)."}
+    )
+    sync_dir: Optional[str] = field(
+        default=None, metadata={"help": "Shared directory for weight dumps; default <output_dir>/weights."}
+    )
+    keep_last_dumps: int = field(default=2, metadata={"help": "Weight dumps kept on disk (0: all)."})
+    max_weight_staleness: int = field(
+        default=0, metadata={"help": "After a failed reload, go on if generation weights are at most this many steps old."}
+    )
+    ref_model_sync_steps: Optional[int] = field(
+        default=None,
+        metadata={"help": "With sync_ref_model, sync the reference every this many steps (512 if no epochs given)."},
+    )
+    ref_model_sync_epochs: Optional[Union[int, float]] = field(
+        default=None,
+        metadata={"help": "With sync_ref_model, sync the reference every this many epochs: int >= 1 or float in (0, 1)."},
+    )
+
     def __post_init__(self):
+        steps, epochs = self.ref_model_sync_steps, self.ref_model_sync_epochs
+        if steps is not None and epochs is not None:
+            raise ValueError(
+                f"ref_model_sync_steps={steps} and ref_model_sync_epochs={epochs}: give exactly one of them"
+            )
+        if epochs is not None:
+            if isinstance(epochs, bool) or not isinstance(epochs, (int, float)):
+                raise ValueError(f"ref_model_sync_epochs={epochs!r}: an int >= 1 or a float in (0, 1)")
+            if isinstance(epochs, int) and epochs < 1:
+                raise ValueError(f"ref_model_sync_epochs={epochs}: an int must be >= 1")
+            if isinstance(epochs, float) and not 0.0 < epochs < 1.0:
+                raise ValueError(
+                    f"ref_model_sync_epochs={epochs}: a float must lie in (0, 1) (a fraction of an epoch); "
+                    "write whole epochs as an int"
+                )
+        elif steps is None:
+            self.ref_model_sync_steps = 512  # TRL's default
         super().__post_init__()
         if self.generation_backend not in GENERATION_BACKENDS:
             raise ValueError(
@@ -103,6 +159,13 @@ class RemoteGRPOConfig(GRPOConfig):
             raise ValueError(f"max_retries={self.max_retries}: must be >= 0")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens}: must be >= 1")
+        for name in ("weight_sync_steps", "keep_last_dumps", "max_weight_staleness"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.ref_model_sync_steps is not None and self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps}: must be >= 1")
+        if self.sync_dir is None:
+            self.sync_dir = f"{self.output_dir}/weights"
 
     @property
     def remote_reference(self) -> bool:

@@ -143,6 +143,15 @@ class Recipe:
     def server_model_path(self) -> str:
         return self.server.model_path or self.model.name_or_path
 
+    def role_urls(self, server_url: Optional[str], ref_url: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+        """`(generation_url, ref_model_url)` from the server URL(s). With `layout: shared` on the built-in engine,
+        the reference is the server's second model slot (`/ref`), so syncing the policy leaves it alone."""
+        if self.server.layout == "separate":
+            return server_url, ref_url
+        if self.server.engine == "builtin" and self.server.generation and self.server.reference and server_url:
+            return server_url, f"{server_url.rstrip('/')}/ref"
+        return server_url, server_url
+
     def trainer_config(self, generation_url: Optional[str] = None, ref_model_url: Optional[str] = None):
         """The `RemoteGRPOConfig` of this run, with the servers' URLs filled in."""
         from .config import RemoteGRPOConfig
@@ -406,7 +415,7 @@ def _check_engine(recipe: Recipe, problems: list) -> None:
                 problems.append((f"trainer.{key}", "the built-in server does not support it; remove it or use engine: sglang"))
         if trainer.get("repetition_penalty", 1.0) != 1.0:
             problems.append(("trainer.repetition_penalty", "the built-in server does not support it; use engine: sglang"))
-    if server.engine != "builtin" and sync.get("ref_model_mixup_alpha", 1.0) != 1.0 and server.reference:
+    if server.engine != "builtin" and sync.get("sync_ref_model") and sync.get("ref_model_mixup_alpha", 0.6) != 1.0 and server.reference:
         problems.append(("sync.ref_model_mixup_alpha", f"{server.engine} reloads weights as they are and cannot mix old "
                                                        "and new (soft update); set 1.0, or host the reference on engine: builtin"))
     if server.engine == "openai":
@@ -415,6 +424,10 @@ def _check_engine(recipe: Recipe, problems: list) -> None:
         if server.reference and trainer.get("beta", 0.0) != 0.0 and not (server.layout == "separate" and server.ref_url):
             problems.append(("server.reference", "an OpenAI-compatible server cannot give reference log-probs: set "
                                                  "reference: false (local reference), or layout: separate with ref_url"))
+    if (server.engine == "sglang" and server.layout == "shared" and server.reference and server.generation
+            and trainer.get("beta", 0.0) != 0.0):
+        problems.append(("server.layout", "an SGLang server holds one model, and weight sync changes it to the policy: "
+                                          "with both roles on SGLang use layout: separate (a second server for the reference)"))
     if server.layout == "separate" and not server.reference:
         problems.append(("server.layout", "layout: separate puts the reference on its own server; it needs reference: true"))
     if not server.reference and not server.generation:

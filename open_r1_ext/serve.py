@@ -4,7 +4,9 @@
 
 Routes are thin: they validate with `open_r1_ext.protocol`, hand work to the `Batcher`, and shape SGLang's
 responses. It serves the same client as a real SGLang server (`/generate`, `/update_weights_from_disk`,
-`/get_model_info`, `/get_server_info`, `/health`, `/health_generate`, `/flush_cache`).
+`/get_model_info`, `/get_server_info`, `/health`, `/health_generate`, `/flush_cache`, `/v1/completions`).
+Two model slots: the policy at `/` and, under `/ref/...`, a second model (the reference, `--ref-model-path`,
+default the same weights) that reloads independently, so one process can host both roles of a GRPO run.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import random
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -51,16 +53,19 @@ def _describe_validation_error(err: RequestValidationError) -> str:
     return "; ".join(parts)
 
 
-def create_app(engine: ModelEngine, batcher: Batcher, api_key: Optional[str] = None, random_seed: int = 0,
+REF_PREFIX = "/ref"
+
+
+def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[str] = None, random_seed: int = 0,
                context_length: Optional[int] = None) -> FastAPI:
-    """The FastAPI application serving `engine` through `batcher`."""
+    """The FastAPI application serving each `(engine, batcher)` slot under its URL prefix ("" is the root)."""
     app = FastAPI(title="open_r1_ext built-in server", version=__version__)
-    seeds = random.Random(random_seed)
-    max_len = context_length or engine.context_length
+    for prefix, (engine, batcher) in slots.items():
+        app.include_router(slot_router(engine, batcher, random_seed, context_length), prefix=prefix)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key and not request.url.path.startswith("/health"):
+        if api_key and not request.url.path.rsplit("/", 1)[-1].startswith("health"):
             if request.headers.get("Authorization") != f"Bearer {api_key}":
                 return JSONResponse(status_code=401, content={"error": "Unauthorized"})
         return await call_next(request)
@@ -72,6 +77,15 @@ def create_app(engine: ModelEngine, batcher: Batcher, api_key: Optional[str] = N
     @app.exception_handler(BadRequest)
     async def on_bad_request(_request: Request, err: BadRequest):
         return JSONResponse(status_code=400, content=error_body(str(err)))
+
+    return app
+
+
+def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context_length: Optional[int]) -> APIRouter:
+    """The routes of one model slot."""
+    app = APIRouter()
+    seeds = random.Random(random_seed)
+    max_len = context_length or engine.context_length
 
     @app.get("/health")
     async def health() -> Response:
@@ -114,6 +128,8 @@ def create_app(engine: ModelEngine, batcher: Batcher, api_key: Optional[str] = N
             "context_length": max_len,
             "max_batch_wait_ms": batcher.max_wait * 1000.0,
             "batches_run": batcher.batches_run,
+            "sequences_generated": batcher.sequences_generated,
+            "sequences_scored": batcher.sequences_scored,
             "weight_version": engine.weight_version,
         }
 
@@ -264,6 +280,8 @@ def _response(engine: ModelEngine, task: GenerationTask, input_logprobs, want_lo
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m open_r1_ext.serve", description="The built-in SGLang-protocol server.")
     parser.add_argument("--model-path", required=True, help="transformers model directory (or hub name, if reachable)")
+    parser.add_argument("--ref-model-path", default=None, help="model of the /ref slot (default: --model-path)")
+    parser.add_argument("--no-ref-slot", action="store_true", help="serve one model only (no /ref slot)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health*")
@@ -284,10 +302,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.manual_seed(args.random_seed)
-    engine = ModelEngine(args.model_path, dtype=args.dtype, device=args.device)
-    batcher = Batcher(engine, max_wait_ms=args.max_batch_wait_ms, max_batch_tokens=args.max_batch_tokens)
-    app = create_app(engine, batcher, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length)
-    logger.info("serving %s (%s, %s) on http://%s:%d", args.model_path, engine.dtype, engine.device, args.host, args.port)
+    paths = {"": args.model_path}
+    if not args.no_ref_slot:
+        paths[REF_PREFIX] = args.ref_model_path or args.model_path
+    slots = {}
+    for prefix, path in paths.items():
+        engine = ModelEngine(path, dtype=args.dtype, device=args.device)
+        slots[prefix] = (engine, Batcher(engine, max_wait_ms=args.max_batch_wait_ms, max_batch_tokens=args.max_batch_tokens))
+        logger.info("slot %s: %s (%s, %s)", prefix or "/", path, engine.dtype, engine.device)
+    app = create_app(slots, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length)
+    logger.info("serving on http://%s:%d", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 
 

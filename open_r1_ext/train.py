@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .recipe import Recipe, RecipeError, load_recipe
 
@@ -68,6 +69,9 @@ def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str]
         trainer = RemoteGRPOTrainer(
             model=recipe.model.name_or_path, reward_funcs=reward_funcs, args=args, train_dataset=dataset
         )
+        # One readable line per step (StepPrinter) instead of tqdm bars and metric dicts, for terminals and SLURM logs.
+        trainer.remove_callback(ProgressCallback)
+        trainer.remove_callback(PrinterCallback)
         trainer.add_callback(StepPrinter())
         trainer.train(resume_from_checkpoint=last_checkpoint)
         trainer.save_model(str(output_dir))
@@ -105,7 +109,7 @@ def servers(recipe: Recipe, server_url: Optional[str], ref_url: Optional[str]) -
                 server_url = stack.enter_context(embedded_server(recipe, "server")).url
             if needs_ref_server and ref_url is None:
                 ref_url = stack.enter_context(embedded_server(recipe, "ref-server")).url
-        yield server_url, (ref_url if needs_ref_server else server_url)
+        yield recipe.role_urls(server_url, ref_url)
 
 
 def embedded_server(recipe: Recipe, name: str):
@@ -125,7 +129,7 @@ class StepPrinter(TrainerCallback):
         if not state.is_world_process_zero or not logs or "reward" not in logs:
             return
         extras = "".join(f"  {k} {logs[k]:.4f}" for k in ("kl", "loss") if k in logs)
-        print(f"step {state.global_step:>4}  reward {logs['reward']:.4f}{extras}", flush=True)
+        print(f"step {state.global_step:>4}/{state.max_steps}  reward {logs['reward']:.4f}{extras}", flush=True)
 
 
 if __name__ == "__main__":

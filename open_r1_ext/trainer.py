@@ -3,20 +3,25 @@
 It overrides two narrow hooks of trl 1.16.0 and copies none of its loop:
 - `_get_per_token_logps_and_entropies`: for the reference model, the log-probs come from the server;
 - `_generate_single_turn`: completions come from the server as token ids, with their sampling log-probs.
+A callback (`WeightSyncCallback`) dumps the policy for the servers after optimizer steps (`weight_sync.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 from typing import Optional
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
+from trl.trainer.callbacks import SyncRefModelCallback
 
 from .client import ServerError, SGLangClient
 from .config import RemoteGRPOConfig
 from .openai_client import OpenAICompletionsClient
+from .weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +61,10 @@ class RemoteGRPOTrainer(GRPOTrainer):
             raise ValueError("rollout_func and generation_url are exclusive: the server does the rollout")
         remote_reference = args.remote_reference
         beta, sync_ref_model = args.beta, args.sync_ref_model
-        if remote_reference:
-            # TRL builds a local reference model whenever beta != 0; hide beta while it initialises.
-            args.beta, args.sync_ref_model = 0.0, False
+        # TRL builds a local reference model whenever beta != 0: hide beta while it initialises. Reference sync is
+        # ours (it knows epochs and remote references), so TRL's own sync callback is kept out too.
+        args.beta = 0.0 if remote_reference else beta
+        args.sync_ref_model = False
         try:
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         finally:
@@ -87,6 +93,19 @@ class RemoteGRPOTrainer(GRPOTrainer):
             self.use_vllm = bool(args.vllm_importance_sampling_correction)
         self._check_servers()
 
+        self.generation_target = None
+        if self.generation_client is not None and args.weight_sync_steps > 0:
+            weights_client = getattr(self.generation_client, "http", self.generation_client)
+            self.generation_target = SyncTarget("generation", weights_client)
+        self.reference_target = None
+        if remote_reference and sync_ref_model:
+            self.reference_target = SyncTarget("reference", self.ref_client, mixup_alpha=args.ref_model_mixup_alpha)
+        targets = [t for t in (self.generation_target, self.reference_target) if t is not None]
+        self.weight_sync = WeightSync(self.accelerator, args.sync_dir, args.keep_last_dumps,
+                                      f"{args.output_dir}/weight_sync.jsonl", targets)
+        if targets or sync_ref_model:
+            self.add_callback(WeightSyncCallback(self))
+
     # ----------------------------------------------------------------- set-up
     def _client(self, url: str) -> SGLangClient:
         args = self.args
@@ -107,6 +126,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ hooks
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if isinstance(model, RemoteReference):
+            self._ensure_reference_weights()
             return remote_completion_logps(model.client, input_ids, attention_mask, logits_to_keep), None, None
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
@@ -115,16 +135,72 @@ class RemoteGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if images:
             raise ValueError("remote generation (generation_url) serves text prompts only")
-        unique, n = group_repeated_prompts(prompt_ids, num_generations)
-        seeds = self._sampling_seeds(len(prompt_ids))
-        groups = self.generation_client.generate(unique, self._remote_sampling_params(), n=n, seeds=seeds)
-        completions = [c for group in groups for c in group]
+        self._ensure_generation_weights()
+        completions = self._remote_generate(prompt_ids, num_generations)
+        target = self.generation_target
+        if target is not None and any(c.weight_version not in (None, target.version) for c in completions):
+            self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
+            completions = self._remote_generate(prompt_ids, num_generations)
         completion_ids = [c.token_ids for c in completions]
         logprobs = [c.logprobs for c in completions] if all(c.logprobs is not None for c in completions) else None
         if logprobs is None and self.use_vllm:
             self.use_vllm = False  # no sampling log-probs from this server: no importance-sampling correction
         self._record_weight_versions(completions)
         return completion_ids, logprobs
+
+    def _remote_generate(self, prompt_ids, num_generations):
+        unique, n = group_repeated_prompts(prompt_ids, num_generations)
+        seeds = self._sampling_seeds(len(prompt_ids))
+        groups = self.generation_client.generate(unique, self._remote_sampling_params(), n=n, seeds=seeds)
+        return [c for group in groups for c in group]
+
+    # ------------------------------------------------------------ weight sync
+    def sync_weights(self, targets: list[SyncTarget]) -> None:
+        """Dump the policy and have `targets` reload it (every rank calls this); stop on failure unless the
+        generation weights stay within `max_weight_staleness` steps."""
+        step = self.state.global_step
+        error = self.weight_sync.sync(self.model, step, targets)
+        if error is None:
+            return
+        stale = step - (self.generation_target.step or 0) if self.generation_target is not None else step
+        only_generation = all(t.role == "generation" for t in targets)
+        if only_generation and stale <= self.args.max_weight_staleness:
+            logger.warning("weight sync at step %d failed (%s); generating from weights %d step(s) old "
+                           "(max_weight_staleness=%d)", step, error, stale, self.args.max_weight_staleness)
+            return
+        raise WeightSyncError(
+            f"{error}\nStopping at step {step} rather than training on stale weights (set max_weight_staleness > 0 "
+            "to tolerate a few failed reloads)."
+        )
+
+    def sync_local_reference(self) -> None:
+        model = self.accelerator.unwrap_model(self.model)
+        SyncRefModelCallback.sync_target_model(model, self.ref_model, self.args.ref_model_mixup_alpha)
+
+    def _ensure_generation_weights(self) -> None:
+        """At the first generation of this process, make the server hold the trainer's weights (e.g. on resume)."""
+        target = self.generation_target
+        if target is None or target.version is not None:
+            return
+        reported = target.client.weight_version()
+        stale = self.state.global_step > 0 or reported not in (None, "default", "0")
+        if self.weight_sync.broadcast_from_main(stale if self.accelerator.is_main_process else None):
+            self.sync_weights([target])
+        else:
+            target.version = reported
+
+    def _ensure_reference_weights(self) -> None:
+        """Keep the reference server on the last synced reference (restored on resume, reloaded after a restart)."""
+        target = self.reference_target
+        if target is None:
+            return
+        if target.version is None:
+            entry = self.weight_sync.last_logged("reference") if self.state.global_step > 0 else None
+            if entry is None or not Path(entry["path"]).is_dir():
+                return
+            target.path, target.version, target.step = Path(entry["path"]), entry["weight_version"], entry["step"]
+        if target.client.weight_version() != target.version:
+            self.weight_sync.repush(target)
 
     # --------------------------------------------------------------- helpers
     def _remote_sampling_params(self) -> dict:
@@ -172,6 +248,37 @@ class RemoteGRPOTrainer(GRPOTrainer):
             logger.exception("could not save a checkpoint after the server failure")
             return None
         return f"{self.args.output_dir}/checkpoint-{self.state.global_step}"
+
+
+class WeightSyncCallback(TrainerCallback):
+    """After each optimizer step: sync the generation server every `weight_sync_steps`, and the reference every
+    `ref_model_sync_steps` or `ref_model_sync_epochs` (remote: a dump it reloads; local: TRL's soft update)."""
+
+    def __init__(self, trainer: RemoteGRPOTrainer):
+        self.trainer = trainer
+        self.previous_epoch = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.previous_epoch = state.epoch or 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer, targets = self.trainer, []
+        if trainer.generation_target is not None and state.global_step % args.weight_sync_steps == 0:
+            targets.append(trainer.generation_target)
+        if args.sync_ref_model and reference_sync_due(args, state.global_step, self.previous_epoch, state.epoch):
+            if trainer.reference_target is not None:
+                targets.append(trainer.reference_target)
+            else:
+                trainer.sync_local_reference()
+        self.previous_epoch = state.epoch
+        if targets:
+            trainer.sync_weights(targets)
+
+
+def reference_sync_due(args: RemoteGRPOConfig, step: int, previous_epoch: float, epoch: float) -> bool:
+    if args.ref_model_sync_epochs is not None:
+        return epochs_crossed(previous_epoch, epoch, args.ref_model_sync_epochs)
+    return step % args.ref_model_sync_steps == 0
 
 
 def group_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], int]:

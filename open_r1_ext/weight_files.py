@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -73,3 +76,35 @@ def read_weight_dir(directory: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as err:
             raise WeightFileError(f"{directory}: cannot read {path.name} (truncated or not safetensors): {err}") from err
     return tensors
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_weight_dir(directory: Path, write: Callable[[Path], None]) -> Path:
+    """Create `directory` atomically: `write(tmp)` fills a temporary sibling, every file is fsynced, the manifest
+    (sizes and sha256) is written last, then one rename publishes it. A reader never sees a partial dump: it sees
+    no directory, a temporary one (ignored), or a complete one with a manifest."""
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync(path)
+        files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": sha256_of(path)}
+    manifest = tmp / MANIFEST
+    manifest.write_text(json.dumps({"files": files}, indent=1))
+    _fsync(manifest)
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.rename(tmp, directory)
+    _fsync(directory.parent)
+    return directory

@@ -4,6 +4,8 @@
     open-r1-ext validate RECIPE [RECIPE ...]
     open-r1-ext new-recipe --from RECIPE --model ORG/NAME OUT
     open-r1-ext serve --model-path DIR [--port P ...]        (the built-in server)
+    open-r1-ext launch RECIPE [--set ...] [--executor slurm|local] [--dry-run]
+    open-r1-ext slurm-env RECIPE [--set ...]                 (shell assignments for slurm/*.slurm)
 
 Each subcommand imports only what it needs, so `validate` answers in seconds.
 """
@@ -75,6 +77,40 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from .launcher import EXECUTORS, describe_launch, launch
+    from .recipe import RecipeError, load_recipe
+    from .slurm_plan import PlanError, SlurmPlan
+
+    try:
+        recipe = load_recipe(args.recipe, args.set)
+        if args.dry_run:
+            print(describe_launch(SlurmPlan(recipe, args.set)))
+            return 0
+        return launch(recipe, EXECUTORS[args.executor], args.set)
+    except RecipeError as err:
+        print(f"{err}\nnothing submitted", file=sys.stderr)
+        return 2
+    except PlanError as err:
+        print(f"{args.recipe}: {err}\nnothing submitted", file=sys.stderr)
+        return 2
+
+
+def cmd_slurm_env(args: argparse.Namespace) -> int:
+    from .recipe import RecipeError, load_recipe
+    from .slurm_plan import PlanError, SlurmPlan
+
+    try:
+        print(SlurmPlan(load_recipe(args.recipe, args.set), args.set).shell_env(), end="")
+    except RecipeError as err:
+        print(err, file=sys.stderr)
+        return 2
+    except PlanError as err:
+        print(f"{args.recipe}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="open-r1-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--force", action="store_true")
     new.add_argument("out")
     new.set_defaults(func=cmd_new_recipe)
+
+    launch = sub.add_parser("launch", help="the server job(s) and the trainer job through submitit; cancels the servers at the end")
+    launch.add_argument("recipe")
+    launch.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    launch.add_argument("--executor", choices=("slurm", "local"), default="slurm",
+                        help="slurm: sbatch jobs; local: the same jobs as processes on this machine")
+    launch.add_argument("--dry-run", action="store_true", help="print both jobs' parameters and commands; submit nothing")
+    launch.set_defaults(func=cmd_launch)
+
+    slurm_env = sub.add_parser("slurm-env", help="validate a recipe and print its jobs' sbatch options and commands "
+                                                 "as shell assignments (used by slurm/*.slurm)")
+    slurm_env.add_argument("recipe")
+    slurm_env.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    slurm_env.set_defaults(func=cmd_slurm_env)
 
     serve = sub.add_parser("serve", help="the built-in server (same flags as python -m open_r1_ext.serve)", add_help=False)
     serve.set_defaults(func=cmd_serve)

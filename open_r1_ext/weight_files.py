@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"
+# Present while a dump is being written; removed just before the rename that publishes it.
+INCOMPLETE = "WRITE_IN_PROGRESS"
 
 
 class WeightFileError(ValueError):
@@ -67,6 +69,8 @@ def read_weight_dir(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of a weight directory on CPU, after checking its manifest when it has one."""
     if not directory.is_dir():
         raise WeightFileError(f"{directory}: no such directory")
+    if (directory / INCOMPLETE).exists():
+        raise WeightFileError(f"{directory}: an unfinished weight dump ({INCOMPLETE} is present); use a finished one")
     if (directory / MANIFEST).is_file():
         check_manifest(directory)
     tensors: dict[str, torch.Tensor] = {}
@@ -95,14 +99,16 @@ def write_weight_dir(directory: Path, write: Callable[[Path], None]) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    (tmp / INCOMPLETE).touch()
     write(tmp)
     files = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != INCOMPLETE):
         _fsync(path)
         files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": sha256_of(path)}
     manifest = tmp / MANIFEST
     manifest.write_text(json.dumps({"files": files}, indent=1))
     _fsync(manifest)
+    (tmp / INCOMPLETE).unlink()
     if directory.exists():
         shutil.rmtree(directory)
     os.rename(tmp, directory)

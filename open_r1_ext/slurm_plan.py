@@ -1,0 +1,297 @@
+"""A recipe as SLURM jobs: each job's sbatch options, its per-node command, and the run directory's files.
+
+The one place both launch paths read: `slurm/*.slurm` through `open-r1-ext slurm-env` (shell assignments, see
+`SlurmPlan.shell_env`), and the submitit launcher (`launcher.py`) directly. Pure: nothing here submits or waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from .recipe import Recipe, SlurmJob
+
+SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
+MAIN_PROCESS_PORT = 29500  # accelerate's rendezvous port on the trainer's first node
+DIST_INIT_PORT_OFFSET = 100  # SGLang's multi-node rendezvous: server port + this, on the server's first node
+REF_SERVER_PORT_OFFSET = 1  # the reference server (layout: separate) listens on server.port + this
+POLL_S = 10  # seconds between progress lines (and watchdog checks) of every wait
+
+
+class PlanError(ValueError):
+    """A valid recipe that these launchers cannot run as asked; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class ShellVar:
+    """A value known only inside the job (node rank, first node, server URL): `"$NAME"` in shell commands."""
+
+    name: str
+
+
+Part = Union[str, int, float, ShellVar]
+Word = Union[Part, tuple]  # a tuple of parts is one word, e.g. ("$HEAD_NODE", ":30100")
+
+
+def shell_join(words: Sequence[Word]) -> str:
+    """A command line for `bash -c`: literal parts quoted, `ShellVar`s left for the job's shell to expand."""
+
+    def part(p: Part) -> str:
+        return f'"${p.name}"' if isinstance(p, ShellVar) else shlex.quote(str(p))
+
+    return " ".join("".join(part(p) for p in (w if isinstance(w, tuple) else (w,))) for w in words)
+
+
+def argv(words: Sequence[Word]) -> list[str]:
+    """The same command as a list of strings, for a command built with concrete values."""
+    out = []
+    for word in words:
+        parts = word if isinstance(word, tuple) else (word,)
+        if any(isinstance(p, ShellVar) for p in parts):
+            raise ValueError(f"{word!r} still holds a shell variable")
+        out.append("".join(map(str, parts)))
+    return out
+
+
+def role_var(role: str) -> str:
+    """`ref-server` -> `REF_SERVER`: the prefix of a job's shell variables."""
+    return role.upper().replace("-", "_")
+
+
+def time_minutes(text: str) -> int:
+    """SLURM's time limit formats (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`) in whole minutes."""
+    try:
+        days, dash, clock = text.partition("-")
+        if not dash:
+            days, clock = "0", text
+        fields = [int(x) for x in clock.split(":")]
+        if len(fields) > 3 or min(fields) < 0:
+            raise ValueError(text)
+        if dash or len(fields) == 3:  # [D-]HH[:MM[:SS]]
+            hours, minutes, seconds = (fields + [0, 0])[:3]
+        else:  # MM[:SS]
+            hours, (minutes, seconds) = 0, (fields + [0])[:2]
+        return int(days) * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+    except ValueError:
+        raise PlanError(f"slurm.time: {text!r} is not a SLURM time limit (e.g. 90, 04:00:00, 1-00:00:00)") from None
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The run directory (the trainer's output_dir) and the launch files in it."""
+
+    run_dir: Path
+
+    @property
+    def logs(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def status(self) -> Path:
+        """One line per event of the run's jobs: submitted, healthy, finished, failed and why."""
+        return self.run_dir / "status.log"
+
+    @property
+    def jobs(self) -> Path:
+        """`KEY=VALUE` lines: the job ids of the run (`SERVER_JOB`, `REF_SERVER_JOB`, `TRAINER_JOB`, `EXECUTOR`)."""
+        return self.run_dir / "jobs.env"
+
+    def addr(self, role: str) -> Path:
+        """Written (`host:port`) by a server job once its server answers /health; removed when it stops."""
+        return self.run_dir / f"{role}.addr"
+
+
+class SlurmPlan:
+    """The jobs of a run: one per server (`server`, and `ref-server` with layout: separate) and the trainer.
+
+    `overrides` are the `--set` values the recipe was loaded with; jobs load it again with the same ones.
+    """
+
+    def __init__(self, recipe: Recipe, overrides: Sequence[str] = ()):
+        self.recipe = recipe
+        self.overrides = tuple(overrides)
+        self.recipe_path = str(Path(recipe.path).resolve())
+        self.files = RunFiles(Path(recipe.output_dir).resolve())
+        self.server_roles = self._server_roles()
+        self.timeout_min = time_minutes(recipe.slurm.time)
+        self.extra_sbatch = self._extra_sbatch()
+        if self.server_roles and recipe.server.engine == "openai":
+            raise PlanError("server.ref_url: an openai server is never started by the launcher; give the URL of the "
+                            "reference server (server.ref_url), or use engine: builtin or sglang")
+        trainer = recipe.slurm.trainer
+        if trainer.gpus_per_node == 0 and trainer.num_processes > 1:
+            raise PlanError(f"slurm.trainer: {trainer.num_processes} trainer processes on CPU nodes: accelerate runs one "
+                            "CPU process per machine here; set nodes: 1 and processes_per_node: 1, or give GPUs")
+
+    # ------------------------------------------------------------------ jobs
+    def _server_roles(self) -> list[str]:
+        """The servers this run starts: those the recipe gives no URL for."""
+        server = self.recipe.server
+        roles = [] if server.url else [SERVER]
+        if server.layout == "separate" and not server.ref_url:
+            roles.append(REF_SERVER)
+        return roles
+
+    @property
+    def roles(self) -> list[str]:
+        return [*self.server_roles, TRAINER]
+
+    def resources(self, role: str) -> SlurmJob:
+        return self.recipe.slurm.trainer if role == TRAINER else self.recipe.slurm.server
+
+    def job_name(self, role: str) -> str:
+        return f"{self.recipe.slurm.job_name}-{role}"
+
+    def port(self, role: str) -> int:
+        return self.recipe.server.port + (REF_SERVER_PORT_OFFSET if role == REF_SERVER else 0)
+
+    @property
+    def server_wait_s(self) -> float:
+        """How long a trainer waits for its servers: the recipe's `trainer.server_wait_timeout`."""
+        from .config import RemoteGRPOConfig
+
+        default = {f.name: f.default for f in dataclasses.fields(RemoteGRPOConfig)}["server_wait_timeout"]
+        return float(self.recipe.trainer.get("server_wait_timeout", default))
+
+    def _extra_sbatch(self) -> list[str]:
+        options = []
+        for i, line in enumerate(self.recipe.slurm.extra_sbatch):
+            option = str(line).removeprefix("#SBATCH").strip()
+            if not option.startswith("--") or " " in option:
+                raise PlanError(f"slurm.extra_sbatch[{i}]: {line!r}: give one long sbatch option, e.g. --reservation=r1")
+            options.append(option)
+        return options
+
+    # ------------------------------------------------------------- sbatch
+    def sbatch_args(self, role: str) -> list[str]:
+        """The sbatch options of a job, as `slurm/grpo.slurm` passes them (they override the scripts' #SBATCH lines)."""
+        slurm, job = self.recipe.slurm, self.resources(role)
+        optional = {"partition": slurm.partition, "account": slurm.account, "qos": slurm.qos,
+                    "constraint": slurm.constraint, "cpus-per-task": job.cpus_per_task, "mem": job.mem,
+                    "gres": f"gpu:{job.gpus_per_node}" if job.gpus_per_node > 0 else None}
+        args = [f"--job-name={self.job_name(role)}", f"--time={slurm.time}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
+        args += [f"--{key}={value}" for key, value in optional.items() if value is not None]
+        args += ["--exclusive"] if slurm.exclusive else []
+        args += self.extra_sbatch
+        logs = self.files.logs
+        return args + [f"--output={logs}/{role}-%j.out", f"--error={logs}/{role}-%j.err"]
+
+    def srun_args(self, role: str) -> list[str]:
+        """One task per node, with the job's CPUs and GPUs (srun does not inherit --cpus-per-task)."""
+        job = self.resources(role)
+        args = [f"--nodes={job.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+        args += [f"--cpus-per-task={job.cpus_per_task}"] if job.cpus_per_task else []
+        return args + ([f"--gres=gpu:{job.gpus_per_node}"] if job.gpus_per_node > 0 else [])
+
+    def submitit_parameters(self, role: str) -> dict:
+        """The same job for `submitit.AutoExecutor.update_parameters` (slurm_* keys are ignored by the local executor)."""
+        slurm, job = self.recipe.slurm, self.resources(role)
+        params: dict = {"name": self.job_name(role), "nodes": job.nodes, "tasks_per_node": 1, "timeout_min": self.timeout_min}
+        specific = {"partition": slurm.partition, "account": slurm.account, "qos": slurm.qos,
+                    "constraint": slurm.constraint, "mem": job.mem, "exclusive": slurm.exclusive or None,
+                    "gres": f"gpu:{job.gpus_per_node}" if job.gpus_per_node > 0 else None}
+        params.update({f"slurm_{key}": value for key, value in specific.items() if value is not None})
+        if job.cpus_per_task:
+            params["cpus_per_task"] = job.cpus_per_task
+        if job.gpus_per_node > 0:
+            params["local_gpus_per_node"] = job.gpus_per_node
+        if self.extra_sbatch:
+            params["slurm_additional_parameters"] = dict(_option_item(o) for o in self.extra_sbatch)
+        return params
+
+    # ----------------------------------------------------------- commands
+    def server_command(self, role: str, node_rank: Union[int, ShellVar], head: Union[str, ShellVar]) -> list[Word]:
+        """The command each node of a server job runs; `head` is the job's first node (SGLang's rendezvous)."""
+        server, nodes, port = self.recipe.server, self.resources(role).nodes, self.port(role)
+        common = ["--model-path", self.recipe.server_model_path, "--host", "0.0.0.0", "--port", port]
+        if server.engine == "sglang":
+            cmd: list[Word] = [sys.executable, "-m", "sglang.launch_server", *common,
+                               "--tp-size", server.tp_size, "--dp-size", server.dp_size]
+            if server.dtype != "auto":
+                cmd += ["--dtype", server.dtype]
+            if server.mem_fraction_static is not None:
+                cmd += ["--mem-fraction-static", server.mem_fraction_static]
+            if nodes > 1:
+                cmd += ["--nnodes", nodes, "--node-rank", node_rank,
+                        "--dist-init-addr", (head, f":{port + DIST_INIT_PORT_OFFSET}")]
+        else:
+            cmd = [sys.executable, "-m", "open_r1_ext.serve", *common, "--dtype", server.dtype]
+        if server.api_key:
+            cmd += ["--api-key", server.api_key]
+        return cmd + [str(a) for a in server.extra_args]
+
+    def trainer_command(self, node_rank: Union[int, ShellVar], main_addr: Union[str, ShellVar],
+                        urls: dict) -> list[Word]:
+        """`accelerate launch` of `open_r1_ext.train` on one node; `urls` maps the server roles to their URLs."""
+        recipe, job = self.recipe, self.recipe.slurm.trainer
+        cmd: list[Word] = [sys.executable, "-m", "accelerate.commands.launch"]
+        if recipe.accelerate_config:
+            cmd += ["--config_file", str(Path(recipe.accelerate_config).resolve())]
+        elif job.gpus_per_node == 0:
+            cmd += ["--cpu"]
+        elif job.num_processes > 1:
+            cmd += ["--multi_gpu"]
+        cmd += ["--num_machines", job.nodes, "--num_processes", job.num_processes, "--machine_rank", node_rank,
+                "--main_process_ip", main_addr, "--main_process_port", MAIN_PROCESS_PORT, "--dynamo_backend", "no"]
+        cmd += ["-m", "open_r1_ext.train", *self.recipe_args()]
+        if SERVER in urls:
+            cmd += ["--server-url", urls[SERVER]]
+        if REF_SERVER in urls:
+            cmd += ["--ref-url", urls[REF_SERVER]]
+        return cmd
+
+    def recipe_args(self) -> list[str]:
+        """`--config RECIPE --set K=V ...`: how a job loads this same recipe."""
+        return ["--config", self.recipe_path, *(f"--set={item}" for item in self.overrides)]
+
+    # ------------------------------------------------------------- output
+    def shell_env(self) -> str:
+        """Shell assignments for `eval` in slurm/*.slurm: the run's files, each job's sbatch/srun options and command.
+
+        Commands are strings for `srun ... bash -c "$X_CMD"`; each task's shell fills in `$SLURM_NODEID`,
+        `$HEAD_NODE` (first node of the job) and the server URLs (`$SERVER_URL`, `$REF_SERVER_URL`).
+        """
+        files = self.files
+        values: dict = {"RUN_DIR": files.run_dir, "LOG_DIR": files.logs, "STATUS_FILE": files.status,
+                        "JOBS_FILE": files.jobs, "SERVER_ROLES": self.server_roles,
+                        "SERVER_WAIT_S": int(self.server_wait_s), "POLL_S": POLL_S}
+        node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")
+        for role in self.server_roles:
+            var = role_var(role)
+            values.update({f"{var}_SBATCH": self.sbatch_args(role), f"{var}_SRUN": self.srun_args(role),
+                           f"{var}_CMD": shell_join(self.server_command(role, node, head)),
+                           f"{var}_PORT": self.port(role), f"{var}_ADDR_FILE": files.addr(role)})
+        urls = {role: ShellVar(f"{role_var(role)}_URL") for role in self.server_roles}
+        values.update({"TRAINER_SBATCH": self.sbatch_args(TRAINER), "TRAINER_SRUN": self.srun_args(TRAINER),
+                       "TRAINER_CMD": shell_join(self.trainer_command(node, head, urls))})
+        return "\n".join(f"{k}=({' '.join(map(shlex.quote, v))})" if isinstance(v, list) else f"{k}={shlex.quote(str(v))}"
+                         for k, v in values.items()) + "\n"
+
+    def describe(self) -> str:
+        """What a launch would submit, for humans (`--dry-run`)."""
+        lines = [f"run directory {self.files.run_dir}: logs in {self.files.logs}/, status in {self.files.status}"]
+        node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")
+        urls = {role: ShellVar(f"{role_var(role)}_URL") for role in self.server_roles}
+        for role in self.roles:
+            job = self.resources(role)
+            what = (f"{job.num_processes} process(es)" if role == TRAINER
+                    else f"port {self.port(role)}, advertised in {self.files.addr(role)} once healthy")
+            command = (self.trainer_command(node, head, urls) if role == TRAINER
+                       else self.server_command(role, node, head))
+            lines += [f"{role} job: {job.nodes} node(s) x {job.gpus_per_node} GPU(s), {what}",
+                      f"  sbatch {' '.join(map(shlex.quote, self.sbatch_args(role)))}",
+                      f"  srun {' '.join(self.srun_args(role))} on each node:",
+                      f"    {shell_join(command)}"]
+        if self.recipe.server.url:
+            lines.append(f"server: {self.recipe.server.url} (given by the recipe; no server job)")
+        return "\n".join(lines)
+
+
+def _option_item(option: str) -> tuple:
+    """`--key=value` -> `("key", "value")`, `--flag` -> `("flag", True)`: submitit's additional parameters."""
+    key, sep, value = option[2:].partition("=")
+    return key, (value if sep else True)

@@ -30,9 +30,10 @@ class ServerError(RuntimeError):
 class ServerRequestError(ServerError):
     """The server rejected a request (HTTP 4xx); retrying would not help."""
 
-    def __init__(self, message: str, status_code: int):
+    def __init__(self, message: str, status_code: int, detail: str = ""):
         super().__init__(message)
         self.status_code = status_code
+        self.detail = detail or message
 
 
 @dataclass
@@ -115,7 +116,9 @@ class SGLangClient:
         except requests.RequestException as err:
             raise ServerError(f"{url}: no answer within the retry budget: {err}") from err
         if 400 <= response.status_code < 500:
-            raise ServerRequestError(f"{url} rejected the request (HTTP {response.status_code}): {_error_text(response)}", response.status_code)
+            detail = _error_text(response)
+            raise ServerRequestError(f"{url} rejected the request (HTTP {response.status_code}): {detail}",
+                                     response.status_code, detail)
         if response.status_code >= 500:
             raise ServerError(f"{url}: HTTP {response.status_code} after retries: {_error_text(response)}")
         return response
@@ -219,7 +222,8 @@ class SGLangClient:
         try:
             result = self.post_json("/update_weights_from_disk", body)
         except ServerRequestError as err:
-            raise ServerRequestError(f"{url} refused the weights in {model_path}: {err}", err.status_code) from err
+            raise ServerRequestError(f"{url} refused the weights in {model_path} (HTTP {err.status_code}): {err.detail}",
+                                     err.status_code, err.detail) from err
         if not result.get("success", False):
             raise ServerRequestError(f"{url} refused the weights in {model_path}: {result.get('message')}", 400)
         return result
@@ -260,7 +264,7 @@ def _error_text(response: requests.Response) -> str:
     except ValueError:
         return response.text.strip()[:500]
     if isinstance(body, dict):
-        error = body.get("error", body.get("message", body))
+        error = body.get("error") or body.get("message") or body
         if isinstance(error, dict):
             return str(error.get("message", error))
         return str(error)

@@ -70,6 +70,14 @@ class JobRef:
     def alive(self) -> bool:
         return self.state() in ACTIVE_STATES
 
+    def cancel(self, job: submitit.Job) -> None:
+        """scancel; a local job gets SIGTERM, which its controller passes to the task (SIGINT would leave a traceback)."""
+        if self.executor == "local":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(self.job_id), signal.SIGTERM)
+        else:
+            job.cancel(check=False)
+
     def __str__(self) -> str:
         return f"{self.role} job {self.job_id}"
 
@@ -178,7 +186,7 @@ class ServerTask:
         env = submitit.JobEnvironment()
         head, port, files = env.hostnames[0], self.plan.port(self.role), self.plan.files
         me = f"{self.role} job {env.job_id}"
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel: stop the server and withdraw its address
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # cancelled: stop the server and withdraw its address
         process = _spawn(argv(self.plan.server_command(self.role, env.node, head)))
         try:
             if env.node == 0:
@@ -230,9 +238,13 @@ class TrainerTask(Checkpointable):
 
     def __call__(self) -> int:
         env = submitit.JobEnvironment()
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # cancelled: stop training (preemption comes as USR2)
         urls = {server.role: wait_for_server(self.plan, server) for server in self.servers}
         self._process = _spawn(argv(self.plan.trainer_command(env.node, env.hostnames[0], urls)))
-        code = self._process.wait()
+        try:
+            code = self._process.wait()
+        finally:
+            _stop(self._process)
         if code:
             raise LaunchError(f"trainer job {env.job_id}: the trainer exited with code {code} (servers: {urls})")
         return code
@@ -276,7 +288,7 @@ def launch(recipe: Recipe, executor_factory: ExecutorFactory, overrides: Sequenc
     finally:
         for job, ref in jobs.values():
             if ref.alive():
-                job.cancel(check=False)
+                ref.cancel(job)
                 record(files, f"cancelled {ref}", echo)
 
 
@@ -328,9 +340,10 @@ def _last_line(path: Path) -> str:
         return "(no log yet)"
 
 
-def _last_line_of(text: str) -> str:
+def _last_line_of(text: str, width: int = 160) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else "(empty)"
+    line = lines[-1] if lines else "(empty)"
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 @contextlib.contextmanager

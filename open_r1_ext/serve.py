@@ -146,7 +146,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             message = await asyncio.wrap_future(future)
         except (WeightFileError, OSError, ValueError, KeyError) as err:
             logger.warning("weight update from %s refused: %s", obj.model_path, err)
-            content = {"success": False, "message": f"Failed to update weights: {err}", "num_paused_requests": 0}
+            content = {"success": False, "message": str(err), "num_paused_requests": 0}
             return JSONResponse(status_code=400, content=content)
         logger.info("%s (weight_version=%s)", message, engine.weight_version)
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})

@@ -236,10 +236,11 @@ class RemoteGRPOTrainer(GRPOTrainer):
             return super().train(*args, **kwargs)
         except ServerError as err:
             checkpoint = self._save_resumable_checkpoint()
-            raise ServerError(
+            err.args = (
                 f"{err}\nTraining stopped at step {self.state.global_step}. A checkpoint to resume from is in {checkpoint} "
-                "(run the same command again with resume_from_checkpoint set, once the server is back)."
-            ) from err
+                "(run the same command again once the server is back: open-r1-ext train resumes from it).",
+            )
+            raise
 
     def _save_resumable_checkpoint(self) -> Optional[str]:
         try:

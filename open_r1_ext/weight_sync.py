@@ -152,8 +152,9 @@ class WeightSync:
             except ServerError as err:
                 last = str(err)
             logger.warning("%s server: reload of %s failed (attempt %d/%d): %s", target.role, path, attempt, self.reload_attempts, last)
-            time.sleep(min(2.0 * attempt, 10.0))
-        raise WeightSyncError(f"the {target.role} server at {target.client.base_url} did not load {path}: {last}")
+            if attempt < self.reload_attempts:
+                time.sleep(float(attempt))
+        raise WeightSyncError(f"the {target.role} server did not take the new weights: {last}")
 
     def repush(self, target: SyncTarget) -> None:
         """Reload the last confirmed dump (after a server restart lost it); any rank may call it."""

@@ -1,0 +1,208 @@
+"""Weight sync against a real built-in server: exact reloads, atomic dumps, pruning, reference sync schedule."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.client import SGLangClient, ServerRequestError
+from open_r1_ext.config import RemoteGRPOConfig
+from open_r1_ext.weight_sync import epochs_crossed
+from trainer_helpers import reward_len, tiny_config, tiny_dataset, tiny_settings
+
+FIXED_BATCH = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+class CompareAfterSync(TrainerCallback):
+    """After each step's sync, the server's log-probs of a fixed batch vs the trainer's current policy."""
+
+    def __init__(self, trainer, client):
+        self.trainer, self.client, self.diffs = trainer, client, []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        remote = self.client.ref_logprobs(FIXED_BATCH)
+        policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        with torch.no_grad():
+            for seq, got in zip(FIXED_BATCH, remote):
+                ids = torch.tensor([seq])
+                want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+                self.diffs.append((state.global_step, (want - got).abs().max().item()))
+
+
+def test_each_sync_makes_the_server_exact_and_prunes(tiny_model, server, tmp_path):
+    args = tiny_config(tmp_path, max_steps=10, generation_url=server.url, ref_model_url=f"{server.url}/ref",
+                       keep_last_dumps=3, learning_rate=5e-3)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    compare = CompareAfterSync(trainer, SGLangClient(server.url))
+    dumps_seen = []
+
+    class CountDumps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            dumps_seen.append(sorted(p.name for p in (tmp_path / "weights").iterdir()))
+
+    trainer.add_callback(compare)
+    trainer.add_callback(CountDumps())
+    trainer.train()
+    assert [step for step, _ in compare.diffs[::2]] == list(range(1, 11))
+    assert max(diff for _, diff in compare.diffs) < 1e-5
+    assert SGLangClient(server.url).weight_version() == "10"
+    # the policy really moved: the server's new weights differ from the reference slot's
+    ref = SGLangClient(f"{server.url}/ref").ref_logprobs(FIXED_BATCH)[0]
+    assert (ref - SGLangClient(server.url).ref_logprobs(FIXED_BATCH)[0]).abs().max() > 1e-3
+    assert [len(names) for names in dumps_seen] == [1, 2, 3, 3, 3, 3, 3, 3, 3, 3]
+    assert dumps_seen[-1] == ["step-10", "step-8", "step-9"]
+    log = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
+    assert [e["weight_version"] for e in log] == [str(i) for i in range(1, 11)]
+    SGLangClient(server.url).update_weights_from_disk(str(tiny_model), weight_version="default")
+
+
+DUMPER = textwrap.dedent("""
+    import sys, time, torch
+    from pathlib import Path
+    from safetensors.torch import save_file
+    from open_r1_ext.weight_files import write_weight_dir
+    def slow(tmp):
+        save_file({"w": torch.zeros(4)}, str(tmp / "model-00001-of-00002.safetensors"))
+        print("half", flush=True)
+        time.sleep(60)
+    write_weight_dir(Path(sys.argv[1]), slow)
+""")
+
+
+def test_dump_killed_half_way_is_never_loaded(tiny_model, server, tmp_path):
+    from open_r1_ext.weight_files import write_weight_dir
+    import shutil
+
+    target = tmp_path / "step-7"
+    proc = subprocess.Popen([sys.executable, "-c", DUMPER, str(target)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "half"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not target.exists()  # never published
+    (partial,) = tmp_path.glob(".step-7.tmp-*")
+    client = SGLangClient(server.url, max_retries=0)
+    for path in (target, partial):
+        with pytest.raises(ServerRequestError, match="no such directory|unfinished weight dump"):
+            client.update_weights_from_disk(str(path), weight_version="7")
+    assert client.weight_version() == "default"
+    # the next good dump of the same step replaces the leftovers and loads
+    write_weight_dir(target, lambda tmp: [shutil.copy(p, tmp) for p in tiny_model.iterdir() if p.is_file()])
+    assert client.update_weights_from_disk(str(target), weight_version="7")["success"]
+    assert client.weight_version() == "7"
+    # a published dump whose file was damaged afterwards is refused by its manifest
+    with open(target / "model.safetensors", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(ServerRequestError, match="checksum"):
+        client.update_weights_from_disk(str(target), weight_version="8")
+    client.update_weights_from_disk(str(tiny_model), weight_version="default")
+
+
+def hf_epochs(steps_in_epoch: int, grad_accum: int, epochs: int):
+    """The `state.epoch` values transformers sets at each optimizer step (Trainer._inner_training_loop)."""
+    values = []
+    for epoch in range(epochs):
+        for step in range(steps_in_epoch):
+            if (step + 1) % grad_accum == 0 or step + 1 == steps_in_epoch:
+                values.append(epoch + (step + 1) / steps_in_epoch)
+    return values
+
+
+@pytest.mark.parametrize(
+    "steps_in_epoch,grad_accum,every,expected",
+    [
+        (8, 1, 0.25, [2, 4, 6, 8, 10, 12, 14, 16]),
+        (8, 1, 0.5, [4, 8, 12, 16]),
+        (8, 1, 1, [8, 16]),
+        (8, 1, 2, [16]),
+        (8, 2, 0.25, [1, 2, 3, 4, 5, 6, 7, 8]),  # 4 optimizer steps per epoch
+        (8, 2, 0.5, [2, 4, 6, 8]),
+        (8, 2, 1, [4, 8]),
+        (6, 4, 0.5, [1, 2, 3, 4]),  # 6 micro-steps, accum 4: optimizer steps at micro 4 and 6 (epoch end)
+        (10, 1, 0.25, [3, 5, 8, 10, 13, 15, 18, 20]),  # boundaries at 2.5, 5, 7.5, 10: the first step at/after each
+    ],
+)
+def test_ref_model_sync_epochs_fires_on_the_right_steps(steps_in_epoch, grad_accum, every, expected):
+    epochs = hf_epochs(steps_in_epoch, grad_accum, epochs=2)
+    fired, previous = [], 0.0
+    for step, epoch in enumerate(epochs, start=1):
+        if epochs_crossed(previous, epoch, every):
+            fired.append(step)
+        previous = epoch
+    assert fired == expected
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(ref_model_sync_epochs=1.5), "a float must lie in"),
+    (dict(ref_model_sync_epochs=0.0), "a float must lie in"),
+    (dict(ref_model_sync_epochs=0), "an int must be >= 1"),
+    (dict(ref_model_sync_epochs=1, ref_model_sync_steps=10), "give exactly one"),
+])
+def test_ref_model_sync_config_errors(tmp_path, bad, message):
+    with pytest.raises(ValueError, match=message):
+        RemoteGRPOConfig(**tiny_settings(tmp_path, sync_ref_model=True, **bad))
+
+
+def test_remote_reference_sync_every_half_epoch(tiny_model, server, tmp_path):
+    # 8 prompts x 4 generations / 4 per step = 8 optimizer steps per epoch; every 0.5 epoch = steps 4 and 8
+    args = tiny_config(tmp_path, max_steps=8, ref_model_url=f"{server.url}/ref", sync_ref_model=True,
+                       ref_model_sync_epochs=0.5, ref_model_mixup_alpha=1.0, learning_rate=5e-3)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(8))
+    trainer.train()
+    log = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
+    assert [(e["role"], e["step"]) for e in log] == [("reference", 4), ("reference", 8)]
+    ref = SGLangClient(f"{server.url}/ref")
+    assert ref.weight_version() == "ref-8"
+    # the reference now is the policy of step 8
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    ids = torch.tensor([FIXED_BATCH[0]])
+    with torch.no_grad():
+        want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(ref.ref_logprobs(FIXED_BATCH[:1])[0], want, atol=1e-5, rtol=0)
+    ref.update_weights_from_disk(str(tiny_model), weight_version="default")
+
+
+def test_soft_reference_update_mixes_on_the_builtin_server(tiny_model, other_tiny_model, server, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ref = SGLangClient(f"{server.url}/ref")
+    ref.update_weights_from_disk(str(other_tiny_model), weight_version="mix", mixup_alpha=0.25)
+    a = AutoModelForCausalLM.from_pretrained(tiny_model)
+    b = AutoModelForCausalLM.from_pretrained(other_tiny_model)
+    with torch.no_grad():
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            pa.mul_(0.75).add_(pb, alpha=0.25)
+        ids = torch.tensor([FIXED_BATCH[0]])
+        want = torch.log_softmax(a(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(ref.ref_logprobs(FIXED_BATCH[:1])[0], want, atol=1e-5, rtol=0)
+    ref.update_weights_from_disk(str(tiny_model), weight_version="default")
+
+
+def test_failed_reload_stops_training_unless_staleness_allows(tiny_model, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from open_r1_ext.server_process import BuiltinServer
+    from open_r1_ext.weight_sync import WeightSyncError
+
+    # a server whose model has other shapes: it generates, but cannot load the trainer's weights
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.intermediate_size = 96
+    narrow = tmp_path / "narrow"
+    AutoModelForCausalLM.from_config(config).save_pretrained(narrow)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(narrow)
+    with BuiltinServer(str(narrow), extra_args=("--no-ref-slot",)) as srv:
+        args = tiny_config(tmp_path / "strict", max_steps=3, generation_url=srv.url, beta=0.0)
+        trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+        with pytest.raises(WeightSyncError, match=r"did not take the new weights: .*step-1.*shape.*\n.*Stopping at step 1"):
+            trainer.train()
+        args = tiny_config(tmp_path / "lenient", max_steps=3, generation_url=srv.url, beta=0.0, max_weight_staleness=5)
+        trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+        trainer.train()
+        assert trainer.state.global_step == 3

@@ -287,7 +287,7 @@ def launch(recipe: Recipe, executor_factory: ExecutorFactory, overrides: Sequenc
         return 130
     finally:
         for job, ref in jobs.values():
-            if ref.alive():
+            if ref.alive() and not job.paths.result_pickle.exists():
                 ref.cancel(job)
                 record(files, f"cancelled {ref}", echo)
 

@@ -1,0 +1,120 @@
+"""`open-r1-ext launch`: the run through submitit, on the real local SLURM cluster and as local processes.
+
+One `launch(recipe, executor_factory)` for both executors: the server comes up, the trainer does its steps, and
+the server is cancelled afterwards, so nothing of the run is left. An interrupted launch (SIGTERM) cancels its
+jobs; `--dry-run` and an invalid recipe submit nothing; a preempted trainer requeues a fresh task.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from open_r1_ext.launcher import EXECUTORS, JobRef, TrainerTask, launch
+from open_r1_ext.recipe import load_recipe
+from open_r1_ext.slurm_plan import SlurmPlan
+from test_slurm import (  # noqa: F401 - slurm_cluster and tiny_run are fixtures
+    JOB_WAIT_S,
+    RECIPE,
+    REPO,
+    assert_trained,
+    job_env,
+    run_script,
+    slurm_cluster,
+    tiny_run,
+    wait_until,
+)
+
+
+def processes_of(port: int) -> list[str]:
+    """Command lines of the processes still serving or training on this run's server port."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if f"--port={port}" in words or any(a == "--port" and b == str(port) for a, b in zip(words, words[1:])) \
+                or f"server.port={port}" in " ".join(words):
+            found.append(" ".join(words))
+    return found
+
+
+def run_port(run) -> int:
+    return int(next(o for o in run.overrides if o.startswith("server.port=")).split("=", 1)[1])
+
+
+@pytest.mark.parametrize("executor", ["slurm", "local"])
+def test_launch_runs_the_server_then_the_trainer_and_cancels_the_server(executor, request, tiny_run, monkeypatch):
+    if executor == "slurm":
+        request.getfixturevalue("slurm_cluster")
+    monkeypatch.chdir(REPO)  # recipe paths are relative to the repository root, as for sbatch
+    lines: list[str] = []
+    code = launch(load_recipe(RECIPE, tiny_run.overrides), EXECUTORS[executor], tiny_run.overrides, echo=lines.append)
+    output, status = "\n".join(lines), tiny_run.status()
+    assert code == 0, f"{output}\n{status}"
+    assert "servers ready: {'server': 'http://" in output
+    assert_trained(tiny_run, *tiny_run.run_dir.glob("logs/trainer/*_0_log.out"), *tiny_run.run_dir.glob("logs/server/*_0_log.out"))
+    assert "trainer job" in status and ": succeeded" in status and "cancelled server job" in status
+    tiny_run.wait_for_no_jobs()
+    wait_until(lambda: not processes_of(run_port(tiny_run)), 30, "the run's processes to exit")
+
+
+def test_interrupted_launch_cancels_its_jobs(slurm_cluster, tiny_run):
+    tiny_run.overrides.append("trainer.max_steps=500")
+    launcher = subprocess.Popen([sys.executable, "-m", "open_r1_ext.cli", "launch", RECIPE, *tiny_run.set_args],
+                                cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: "submitted trainer job" in tiny_run.status() or launcher.poll() is not None, JOB_WAIT_S,
+                   "the launcher to submit the trainer")
+        launcher.send_signal(signal.SIGTERM)
+        output = launcher.communicate(timeout=60)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, output
+    status = tiny_run.status()
+    assert "launch interrupted (SIGTERM)" in status
+    assert "cancelled server job" in status and "cancelled trainer job" in status, status
+    tiny_run.wait_for_no_jobs()
+
+
+def test_dry_run_prints_both_jobs_and_submits_nothing(slurm_cluster, tiny_run):
+    result = run_script(sys.executable, "-m", "open_r1_ext.cli", "launch", RECIPE, *tiny_run.set_args,
+                        "--set", "server.layout=separate", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    out, name = result.stdout, tiny_run.job_name
+    for role in ("server", "ref-server", "trainer"):
+        assert f"{role} job: 1 node(s)" in out and f"sbatch --job-name={name}-{role} --time=00:30:00" in out
+        assert f"submitit parameters of the {role} job: {{'name': '{name}-{role}'" in out
+    assert "-m open_r1_ext.serve --model-path" in out
+    assert "accelerate.commands.launch --cpu --num_machines 1 --num_processes 1" in out
+    assert '--server-url "$SERVER_URL" --ref-url "$REF_SERVER_URL"' in out
+    assert not tiny_run.jobs() and not tiny_run.run_dir.exists()
+
+
+def test_invalid_recipe_launches_nothing(slurm_cluster, tiny_run):
+    result = run_script(sys.executable, "-m", "open_r1_ext.cli", "launch", RECIPE, *tiny_run.set_args,
+                        "--set", "server.layout=sideways")
+    assert result.returncode == 2
+    assert "server.layout: 'sideways' is not one of shared, separate" in result.stderr
+    assert "nothing submitted" in result.stderr
+    assert not tiny_run.jobs() and not tiny_run.run_dir.exists()
+
+
+def test_preempted_trainer_stops_training_and_requeues_a_fresh_task(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path}"]
+    servers = [JobRef("server", "12", "slurm")]
+    task = TrainerTask(SlurmPlan(load_recipe(RECIPE, overrides), overrides), servers)
+    task._process = subprocess.Popen(["sleep", "60"])
+    delayed = task.checkpoint()
+    assert task._process.poll() is not None  # training stopped; it resumes from output_dir's last checkpoint
+    requeued = pickle.loads(pickle.dumps(delayed.function))
+    assert isinstance(requeued, TrainerTask) and requeued._process is None
+    assert requeued.servers == servers and requeued.plan.recipe_args() == task.plan.recipe_args()

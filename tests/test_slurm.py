@@ -1,0 +1,238 @@
+"""slurm/*.slurm on a real one-node SLURM cluster (tools/local_slurm.sh), and the plan they read (slurm_plan.py).
+
+End to end: `sbatch slurm/grpo.slurm` runs a server job and a trainer job on the tiny model, and nothing of the
+run is left in squeue afterwards; scancel of the server stops the trainer with an error naming it; an invalid
+recipe submits nothing. The plan tests need no cluster. `tests/test_launcher.py` imports the helpers below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from open_r1_ext.recipe import load_recipe
+from open_r1_ext.server_process import free_port
+from open_r1_ext.slurm_plan import PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/tiny/grpo.yaml"
+JOB_WAIT_S = 240  # bound of every wait for a run's jobs to finish
+
+
+# ------------------------------------------------------------------------------------------ helpers
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    """The local one-node cluster, started as CI does; a failure to start fails the tests with its output."""
+    started = subprocess.run(["bash", "tools/local_slurm.sh", "start"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert started.returncode == 0, f"tools/local_slurm.sh start failed:\n{started.stdout}\n{started.stderr}"
+
+
+@dataclass
+class TinyRun:
+    """A run of the tiny recipe with its own output dir, server port and job-name prefix."""
+
+    run_dir: Path
+    job_name: str
+    overrides: list
+
+    @property
+    def set_args(self) -> list:
+        return [arg for item in self.overrides for arg in ("--set", item)]
+
+    def jobs(self) -> list[tuple[str, str, str]]:
+        """`(id, name, state)` of this run's jobs that squeue still lists."""
+        if not shutil.which("squeue"):
+            return []
+        out = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, check=True).stdout
+        return [tuple(line.split()) for line in out.splitlines() if line.split()[1].startswith(self.job_name)]
+
+    def job_ids(self) -> dict:
+        return dict(line.split("=", 1) for line in (self.run_dir / "jobs.env").read_text().splitlines())
+
+    def status(self) -> str:
+        path = self.run_dir / "status.log"
+        return path.read_text() if path.exists() else ""
+
+    def wait_for_no_jobs(self) -> None:
+        wait_until(lambda: not self.jobs(), JOB_WAIT_S, f"the jobs of {self.job_name} to leave squeue")
+
+
+@pytest.fixture()
+def tiny_run(tmp_path, tiny_model):
+    """A fresh run; afterwards every job of it still queued is cancelled, whatever the test did."""
+    name = f"t{uuid.uuid4().hex[:6]}"
+    overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path / 'run'}",
+                 f"server.port={free_port()}", "trainer.max_steps=4", f"slurm.job_name={name}"]
+    run = TinyRun(tmp_path / "run", name, overrides)
+    try:
+        yield run
+    finally:
+        leftover = [job_id for job_id, _, _ in run.jobs()]
+        if leftover:
+            subprocess.run(["scancel", *leftover], check=False)
+
+
+def job_env() -> dict:
+    """The submit shell's environment: this venv first on PATH (jobs inherit it), and its python for the scripts."""
+    return dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHON=sys.executable)
+
+
+def run_script(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(list(map(str, args)), cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def slurm_state(job_id: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    match = re.search(r"JobState=(\w+)", shown)
+    return match.group(1) if match else "GONE"
+
+
+def assert_trained(run: TinyRun, trainer_log: Path, server_log: Path) -> None:
+    """The trainer did its steps and saved the model; the server served it; weights were synced."""
+    assert re.search(r"step\s+4\b", trainer_log.read_text()), trainer_log.read_text()[-3000:]
+    assert (run.run_dir / "model.safetensors").exists()
+    served = server_log.read_text()
+    assert "POST /generate" in served and "POST /ref/generate" in served, served[-2000:]
+    sync_log = run.run_dir / "weight_sync.jsonl"
+    assert sync_log.exists(), f"no {sync_log}: the trainer confirmed no weight sync"
+    entries = [json.loads(line) for line in sync_log.read_text().splitlines() if line.strip()]
+    assert entries and all("weight_version" in e for e in entries)
+
+
+# --------------------------------------------------------------------------------- plan (no SLURM)
+def tiny_plan(tiny_model, *overrides) -> SlurmPlan:
+    items = [f"model.name_or_path={tiny_model}", *overrides]
+    return SlurmPlan(load_recipe(REPO / RECIPE, items), items)
+
+
+def test_sbatch_options_come_from_the_recipe(tiny_model):
+    plan = tiny_plan(tiny_model, "slurm.account=proj", "slurm.qos=high", "slurm.constraint=h100", "slurm.exclusive=true",
+                     "slurm.trainer={nodes: 1, gpus_per_node: 4, processes_per_node: 1, cpus_per_task: 8, mem: 64G}",
+                     "slurm.extra_sbatch=['#SBATCH --reservation=r1', --requeue]", "trainer.output_dir=/runs/x")
+    assert plan.sbatch_args("trainer") == [
+        "--job-name=grpo-tiny-trainer", "--time=00:30:00", "--nodes=1", "--ntasks-per-node=1", "--partition=debug",
+        "--account=proj", "--qos=high", "--constraint=h100", "--cpus-per-task=8", "--mem=64G", "--gres=gpu:4",
+        "--exclusive", "--reservation=r1", "--requeue",
+        "--output=/runs/x/logs/trainer-%j.out", "--error=/runs/x/logs/trainer-%j.err"]
+    assert not any(a.startswith("--gres") for a in plan.sbatch_args("server"))  # gpus_per_node: 0
+    assert plan.srun_args("trainer") == ["--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                                         "--cpus-per-task=8", "--gres=gpu:4"]
+    params = plan.submitit_parameters("trainer")
+    assert params["slurm_gres"] == "gpu:4" and params["timeout_min"] == 30 and params["slurm_exclusive"] is True
+    assert params["slurm_additional_parameters"] == {"reservation": "r1", "requeue": True}
+
+
+def test_sglang_servers_span_nodes_and_the_trainer_gets_both_urls(tiny_model):
+    plan = tiny_plan(tiny_model, "server.engine=sglang", "server.layout=separate", "server.tp_size=16",
+                     "server.mem_fraction_static=0.8", "server.extra_args=[--enable-metrics]",
+                     "slurm.server={nodes: 2, gpus_per_node: 8}",
+                     "slurm.trainer={nodes: 2, gpus_per_node: 8}", "trainer.per_device_train_batch_size=4")
+    assert plan.server_roles == ["server", "ref-server"]
+    node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")
+    serve = shell_join(plan.server_command("ref-server", node, head))
+    assert serve.endswith("-m sglang.launch_server --model-path " + str(tiny_model) + " --host 0.0.0.0 --port 30001 "
+                          "--tp-size 16 --dp-size 1 --dtype float32 --mem-fraction-static 0.8 --nnodes 2 --node-rank \"$SLURM_NODEID\" "
+                          "--dist-init-addr \"$HEAD_NODE\":30101 --enable-metrics")
+    urls = {"server": "http://a:30000", "ref-server": "http://b:30001"}
+    train = plan.trainer_command(1, "node-7", urls)
+    assert train[3:16] == ["--multi_gpu", "--num_machines", 2, "--num_processes", 16, "--machine_rank", 1,
+                           "--main_process_ip", "node-7", "--main_process_port", 29500, "--dynamo_backend", "no"]
+    assert train[-4:] == ["--server-url", "http://a:30000", "--ref-url", "http://b:30001"]
+
+
+def test_slurm_env_is_shell_that_round_trips(tiny_model):
+    plan = tiny_plan(tiny_model, "server.api_key=it's $ecret", "trainer.output_dir=/runs/with space")
+    script = plan.shell_env() + 'printf "%s\\n" "$RUN_DIR" "${SERVER_ROLES[@]}" "${SERVER_SBATCH[@]: -1}" "$SERVER_CMD"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[:3] == ["/runs/with space", "server", "--error=/runs/with space/logs/server-%j.err"]
+    assert out[3].endswith("--api-key 'it'\"'\"'s $ecret'")  # quoted for the task's `bash -c`
+
+
+@pytest.mark.parametrize("override, key", [
+    ("slurm.time=soon", "slurm.time"),
+    ("slurm.extra_sbatch=[reservation=r1]", "slurm.extra_sbatch[0]"),
+    ("slurm.trainer={nodes: 2, gpus_per_node: 0}", "slurm.trainer"),
+])
+def test_plan_errors_name_the_key(tiny_model, override, key):
+    with pytest.raises(PlanError, match=re.escape(key)):
+        tiny_plan(tiny_model, override)
+
+
+def test_time_limits_in_minutes():
+    assert [time_minutes(t) for t in ("90", "90:30", "04:00:00", "1-00:00:00", "2-3", "1-2:30")] == [90, 91, 240, 1440, 3060, 1590]
+
+
+# ---------------------------------------------------------------------------------- real SLURM
+def test_grpo_slurm_runs_server_and_trainer_and_leaves_no_job(slurm_cluster, tiny_run, tmp_path):
+    submitted = run_script("sbatch", "--parsable", f"--output={tmp_path}/submit-%j.out", "slurm/grpo.slurm", RECIPE,
+                           *tiny_run.set_args)
+    assert submitted.returncode == 0, submitted.stderr
+    submit_job = submitted.stdout.strip().split(";")[0]
+    jobs_file = tiny_run.run_dir / "jobs.env"
+    try:
+        wait_until(lambda: jobs_file.exists() or slurm_state(submit_job) not in ("PENDING", "CONFIGURING", "RUNNING"),
+                   120, "grpo.slurm to submit the jobs")
+        assert jobs_file.exists(), (tmp_path / f"submit-{submit_job}.out").read_text()
+        ids = tiny_run.job_ids()
+        server, trainer = ids["SERVER_JOB"], ids["TRAINER_JOB"]
+        tiny_run.wait_for_no_jobs()
+    finally:
+        subprocess.run(["scancel", submit_job], check=False)
+    logs = tiny_run.run_dir / "logs"
+    assert_trained(tiny_run, logs / f"trainer-{trainer}.out", logs / f"server-{server}.out")
+    assert slurm_state(trainer) == "COMPLETED" and slurm_state(server) == "CANCELLED"
+    status = tiny_run.status()
+    assert f"server job {server}: healthy at http://" in status
+    assert f"trainer job {trainer}: succeeded" in status and f"cancelled server job(s) {server}" in status
+    assert not (tiny_run.run_dir / "server.addr").exists()  # withdrawn when the server stopped
+
+
+def test_scancel_of_the_server_stops_the_trainer_with_an_error_naming_it(slurm_cluster, tiny_run):
+    tiny_run.overrides += ["trainer.max_steps=500", "trainer.max_retries=2", "trainer.request_timeout=10"]
+    submitted = run_script("bash", "slurm/grpo.slurm", RECIPE, *tiny_run.set_args)
+    assert submitted.returncode == 0, submitted.stderr
+    ids = tiny_run.job_ids()
+    server, trainer = ids["SERVER_JOB"], ids["TRAINER_JOB"]
+    trainer_out = tiny_run.run_dir / "logs" / f"trainer-{trainer}.out"
+    wait_until(lambda: trainer_out.exists() and re.search(r"step\s+1\b", trainer_out.read_text()), JOB_WAIT_S,
+               "the trainer's first step")
+    subprocess.run(["scancel", server], check=True)
+    tiny_run.wait_for_no_jobs()
+    assert slurm_state(trainer) == "FAILED"
+    url = re.search(rf"server job {server}: healthy at (http://\S+)", tiny_run.status()).group(1)
+    failure = f"trainer job {trainer}: failed (exit 1); server job {server} ({url}) is no longer running (CANCELLED)"
+    assert failure in tiny_run.status()
+    trainer_err = (tiny_run.run_dir / "logs" / f"trainer-{trainer}.err").read_text()
+    assert failure in trainer_err and url in trainer_err.split(failure)[0]  # the trainer's own error names the URL
+
+
+def test_invalid_recipe_submits_nothing(slurm_cluster, tiny_run):
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()
+    result = run_script("bash", "slurm/grpo.slurm", RECIPE, *tiny_run.set_args, "--set", "trainer.max_stepz=4")
+    assert result.returncode != 0
+    assert "trainer.max_stepz: unknown key (did you mean 'max_steps'?)" in result.stderr
+    assert "nothing started" in result.stderr
+    after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()
+    assert set(after) <= set(before) and not tiny_run.jobs()
+    assert not tiny_run.run_dir.exists()

@@ -73,6 +73,14 @@ class RemoteGRPOConfig(GRPOConfig):
         ref_model_sync_epochs (`int`, `float` or `None`, *optional*, defaults to `None`):
             With `sync_ref_model=True`, sync the reference every this many epochs: an int >= 1, or a float in (0, 1)
             for a fraction of an epoch (DeepSeekMath syncs once per epoch). Give this or `ref_model_sync_steps`.
+
+        > Overlapping generation with training
+
+        async_generation (`bool`, *optional*, defaults to `False`):
+            Generate the next batches on the server while the current one trains (one background thread per
+            process). Batches are then up to `max_weight_staleness` steps off-policy (at least 1: set to 1 when 0),
+            corrected by TRL's truncated importance sampling (`vllm_importance_sampling_correction`, on by
+            default); the staleness of each batch is logged. Needs `generation_url` and `weight_sync_steps=1`.
     """
 
     ref_model_url: Optional[str] = field(
@@ -124,6 +132,11 @@ class RemoteGRPOConfig(GRPOConfig):
         metadata={"help": "With sync_ref_model, sync the reference every this many epochs: int >= 1 or float in (0, 1)."},
     )
 
+    async_generation: bool = field(
+        default=False,
+        metadata={"help": "Generate the next batch while the current one trains (off-policy by max_weight_staleness)."},
+    )
+
     def __post_init__(self):
         steps, epochs = self.ref_model_sync_steps, self.ref_model_sync_epochs
         if steps is not None and epochs is not None:
@@ -166,6 +179,13 @@ class RemoteGRPOConfig(GRPOConfig):
             raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps}: must be >= 1")
         if self.sync_dir is None:
             self.sync_dir = f"{self.output_dir}/weights"
+        if self.async_generation:
+            if not self.generation_url:
+                raise ValueError("async_generation=True needs generation_url: it overlaps remote generation with training")
+            if self.weight_sync_steps != 1:
+                raise ValueError(f"async_generation=True needs weight_sync_steps=1 (got {self.weight_sync_steps}): "
+                                 "its staleness bound counts one reload per step")
+            self.max_weight_staleness = max(self.max_weight_staleness, 1)
 
     @property
     def remote_reference(self) -> bool:

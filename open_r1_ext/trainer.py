@@ -4,10 +4,13 @@ It overrides two narrow hooks of trl 1.16.0 and copies none of its loop:
 - `_get_per_token_logps_and_entropies`: for the reference model, the log-probs come from the server;
 - `_generate_single_turn`: completions come from the server as token ids, with their sampling log-probs.
 A callback (`WeightSyncCallback`) dumps the policy for the servers after optimizer steps (`weight_sync.py`).
+With `async_generation`, `get_batch_samples` reads batches ahead and a rollout thread generates them while the
+current step trains (`async_rollout.py`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -18,6 +21,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
+from .async_rollout import LookaheadIterator, RolloutQueue, prompts_key
 from .client import ServerError, SGLangClient
 from .config import RemoteGRPOConfig
 from .openai_client import OpenAICompletionsClient
@@ -105,6 +109,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
                                       f"{args.output_dir}/weight_sync.jsonl", targets)
         if targets or sync_ref_model:
             self.add_callback(WeightSyncCallback(self))
+        self.rollouts: Optional[RolloutQueue] = None  # the async-generation thread, while training
+        self._lookahead: Optional[LookaheadIterator] = None
 
     # ----------------------------------------------------------------- set-up
     def _client(self, url: str) -> SGLangClient:
@@ -135,30 +141,93 @@ class RemoteGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if images:
             raise ValueError("remote generation (generation_url) serves text prompts only")
-        self._ensure_generation_weights()
-        completions = self._remote_generate(prompt_ids, num_generations)
-        target = self.generation_target
-        if target is not None and any(c.weight_version not in (None, target.version) for c in completions):
-            self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
-            completions = self._remote_generate(prompt_ids, num_generations)
+        if self.rollouts is not None:
+            announced = self.rollouts.take(prompts_key(prompt_ids))
+            if announced is None:  # not read ahead (e.g. the first batch after a resume): generate it now, in order
+                job = self._generation_job(prompt_ids, num_generations, self._sampling_seeds(len(prompt_ids)))
+                announced = self.rollouts.submit(job)
+            completions = announced.result()
+        else:
+            self._ensure_generation_weights()
+            completions = self._generation_job(prompt_ids, num_generations, self._sampling_seeds(len(prompt_ids)))()
+        self._log_rollout(completions)
         completion_ids = [c.token_ids for c in completions]
         logprobs = [c.logprobs for c in completions] if all(c.logprobs is not None for c in completions) else None
         if logprobs is None and self.use_vllm:
             self.use_vllm = False  # no sampling log-probs from this server: no importance-sampling correction
-        self._record_weight_versions(completions)
         return completion_ids, logprobs
 
-    def _remote_generate(self, prompt_ids, num_generations):
+    def _generation_job(self, prompt_ids, num_generations, seeds):
+        """A callable that generates the completions of `prompt_ids` (on this thread or the rollout thread)."""
         unique, n = group_repeated_prompts(prompt_ids, num_generations)
-        seeds = self._sampling_seeds(len(prompt_ids))
-        groups = self.generation_client.generate(unique, self._remote_sampling_params(), n=n, seeds=seeds)
-        return [c for group in groups for c in group]
+        sampling = self._remote_sampling_params()
+
+        def generate():
+            groups = self.generation_client.generate(unique, sampling, n=n, seeds=seeds)
+            completions = [c for group in groups for c in group]
+            target = self.generation_target
+            if target is not None and any(version_number(c.weight_version) < version_number(target.version)
+                                          for c in completions if c.weight_version is not None):
+                self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
+                groups = self.generation_client.generate(unique, sampling, n=n, seeds=seeds)
+                completions = [c for group in groups for c in group]
+            return completions
+
+        return generate
+
+    def _log_rollout(self, completions) -> None:
+        """Log each batch's weight version and staleness (steps between the weights it was sampled from and the
+        policy it trains); stop if it exceeds `max_weight_staleness` (plus the steps between two syncs)."""
+        versions = [version_number(c.weight_version) for c in completions if c.weight_version is not None]
+        if not versions or self.generation_target is None or not self.model.training:
+            return
+        oldest = min(versions)
+        staleness = self.state.global_step - oldest
+        self._metrics["train"]["remote/staleness"].append(float(staleness))
+        if self.accelerator.is_main_process:
+            with open(Path(self.args.output_dir) / "rollouts.jsonl", "a") as log:
+                log.write(json.dumps({"step": self.state.global_step + 1, "weight_version": oldest, "staleness": staleness}) + "\n")
+        allowed = self.args.max_weight_staleness + self.args.weight_sync_steps - 1
+        if staleness > allowed:
+            raise WeightSyncError(
+                f"the batch for step {self.state.global_step + 1} was sampled from weights of step {oldest}, "
+                f"{staleness} steps old (at most {allowed} allowed by max_weight_staleness): the generation server "
+                "is not taking the new weights (see the warnings above)"
+            )
+
+    # -------------------------------------------------------- async generation
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if not self.args.async_generation:  # (only the training loop reads its batches through this method)
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._lookahead is None or self._lookahead.source is not epoch_iterator:
+            if self.rollouts is None:
+                self.rollouts = RolloutQueue()
+            period = self.args.steps_per_generation * self.num_iterations
+            self._lookahead = LookaheadIterator(epoch_iterator, self._announce_batch, self.args.max_weight_staleness, period)
+        return super().get_batch_samples(self._lookahead, num_batches, device)
+
+    def _announce_batch(self, batch) -> None:
+        """A generation batch read ahead: queue its generation behind the reloads queued so far."""
+        self._ensure_generation_weights()
+        prompt_ids, _, _ = self._tokenize_prompts([example["prompt"] for example in batch])
+        seeds = self._sampling_seeds(len(prompt_ids), salt=self._lookahead.read if self._lookahead else 0)
+        job = self._generation_job(prompt_ids, self.num_generations, seeds)
+        self.rollouts.submit_generation(prompts_key(prompt_ids), job)
 
     # ------------------------------------------------------------ weight sync
     def sync_weights(self, targets: list[SyncTarget]) -> None:
         """Dump the policy and have `targets` reload it (every rank calls this); stop on failure unless the
-        generation weights stay within `max_weight_staleness` steps."""
+        generation weights stay within `max_weight_staleness` steps. With async generation the reload is queued
+        on the rollout thread, between two generation batches."""
         step = self.state.global_step
+        if self.rollouts is not None:
+            path, error = self.weight_sync.dump(self.model, step)
+            if error is not None:
+                raise WeightSyncError(error)
+            self.weight_sync.share_state(targets)
+            if self.accelerator.is_main_process:
+                self.rollouts.submit(lambda: self._push_logged(targets, path, step))
+            return
         error = self.weight_sync.sync(self.model, step, targets)
         if error is None:
             return
@@ -172,6 +241,12 @@ class RemoteGRPOTrainer(GRPOTrainer):
             f"{error}\nStopping at step {step} rather than training on stale weights (set max_weight_staleness > 0 "
             "to tolerate a few failed reloads)."
         )
+
+    def _push_logged(self, targets, path, step) -> None:
+        try:
+            self.weight_sync.push_and_confirm(targets, path, step)
+        except WeightSyncError as err:  # the staleness check on the next batches decides whether to stop
+            logger.warning("weight sync of step %d failed: %s", step, err)
 
     def sync_local_reference(self) -> None:
         model = self.accelerator.unwrap_model(self.model)
@@ -218,18 +293,11 @@ class RemoteGRPOTrainer(GRPOTrainer):
         params.update(self.args.generation_kwargs or {})
         return params
 
-    def _sampling_seeds(self, count: int) -> list[int]:
-        """One seed per sample, a function of (seed, step, mode, rank): a retried or resumed step samples the same."""
+    def _sampling_seeds(self, count: int, salt: int = 0) -> list[int]:
+        """One seed per sample, a function of (seed, step, mode, rank, salt): a retried or resumed step samples the same."""
         mode = "train" if self.model.training else "eval"
-        rng = random.Random(f"{self.args.seed}/{self.state.global_step}/{mode}/{self.accelerator.process_index}")
+        rng = random.Random(f"{self.args.seed}/{self.state.global_step}/{mode}/{self.accelerator.process_index}/{salt}")
         return [rng.getrandbits(63) for _ in range(count)]
-
-    def _record_weight_versions(self, completions) -> None:
-        versions = [c.weight_version for c in completions if c.weight_version is not None]
-        numeric = [int(v) for v in versions if str(v).lstrip("-").isdigit()]
-        if numeric:
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["remote/weight_version_min"].append(float(min(numeric)))
 
     def train(self, *args, **kwargs):
         try:
@@ -241,6 +309,10 @@ class RemoteGRPOTrainer(GRPOTrainer):
                 "(run the same command again once the server is back: open-r1-ext train resumes from it).",
             )
             raise
+        finally:
+            if self.rollouts is not None:
+                self.rollouts.shutdown()
+                self.rollouts, self._lookahead = None, None
 
     def _save_resumable_checkpoint(self) -> Optional[str]:
         try:
@@ -280,6 +352,12 @@ def reference_sync_due(args: RemoteGRPOConfig, step: int, previous_epoch: float,
     if args.ref_model_sync_epochs is not None:
         return epochs_crossed(previous_epoch, epoch, args.ref_model_sync_epochs)
     return step % args.ref_model_sync_steps == 0
+
+
+def version_number(version: Optional[str]) -> int:
+    """A weight version as a step number: `"12"` -> 12, `"ref-12"` -> 12; the server's initial `"default"` -> 0."""
+    text = str(version or "").rsplit("-", 1)[-1]
+    return int(text) if text.isdigit() else 0
 
 
 def group_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], int]:

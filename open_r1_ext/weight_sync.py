@@ -98,25 +98,34 @@ class WeightSync:
     # ------------------------------------------------------------ collective
     def sync(self, model, step: int, targets: list[SyncTarget]) -> Optional[str]:
         """Dump the policy at `step` and push it to `targets`; every rank calls it. Returns None or the error."""
-        started = time.monotonic()
+        path, error = self.dump(model, step)
+        if error is None and self.accelerator.is_main_process:
+            try:
+                self.push_all(targets, path, step)
+            except WeightSyncError as err:
+                error = str(err)
+        error = self.broadcast_from_main(error)
+        if error is None:
+            self.confirm(targets, path, step)
+        return error
+
+    def dump(self, model, step: int) -> tuple[Path, Optional[str]]:
+        """Write `<sync_dir>/step-<step>` (every rank calls; the main process writes); returns it and any error."""
         state_dict = policy_state_dict(self.accelerator, model)
         path = self.sync_dir / f"{STEP_PREFIX}{step}"
         error = None
         if self.accelerator.is_main_process:
             try:
                 self._write(model, state_dict, path)
-                for target in targets:
-                    self.push(target, path, target.version_for(step))
-            except (WeightSyncError, OSError) as err:
-                error = str(err)
-        error = self.broadcast_from_main(error)
-        if error is None:
-            for target in targets:
-                target.version, target.path, target.step = target.version_for(step), path, step
-            if self.accelerator.is_main_process:
-                self._log(step, path, targets, time.monotonic() - started)
-                self.prune()
-        return error
+            except OSError as err:
+                error = f"could not write the weight dump {path}: {err}"
+        return path, self.broadcast_from_main(error)
+
+    def share_state(self, targets: list[SyncTarget]) -> None:
+        """Give every rank the main process's view of what each server last confirmed."""
+        views = self.broadcast_from_main([(t.version, t.path, t.step) for t in targets])
+        for target, (version, path, step) in zip(targets, views):
+            target.version, target.path, target.step = version, path, step
 
     def broadcast_from_main(self, value):
         if self.accelerator.num_processes == 1:
@@ -137,6 +146,22 @@ class WeightSync:
             write_weight_dir(path, lambda tmp: target.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True))
         finally:
             hf_logging.enable_progress_bar()
+
+    def push_all(self, targets: list[SyncTarget], path: Path, step: int) -> None:
+        for target in targets:
+            self.push(target, path, target.version_for(step))
+
+    def push_and_confirm(self, targets: list[SyncTarget], path: Path, step: int) -> None:
+        """Main process, possibly on the rollout thread: push, then record (raises `WeightSyncError`)."""
+        self.push_all(targets, path, step)
+        self.confirm(targets, path, step)
+
+    def confirm(self, targets: list[SyncTarget], path: Path, step: int) -> None:
+        for target in targets:
+            target.version, target.path, target.step = target.version_for(step), path, step
+        if self.accelerator.is_main_process:
+            self._log(step, path, targets)
+            self.prune()
 
     def push(self, target: SyncTarget, path: Path, version: str) -> None:
         """Have `target` reload `path` and confirm `version`; retried, then `WeightSyncError`."""
@@ -179,12 +204,12 @@ class WeightSync:
             return []
         return [p for p in self.sync_dir.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX):].isdigit()]
 
-    def _log(self, step: int, path: Path, targets: list[SyncTarget], seconds: float) -> None:
+    def _log(self, step: int, path: Path, targets: list[SyncTarget]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as log:
             for target in targets:
                 log.write(json.dumps({"step": step, "role": target.role, "path": str(path),
-                                      "weight_version": target.version, "seconds": round(seconds, 3)}) + "\n")
+                                      "weight_version": target.version, "time": round(time.time(), 3)}) + "\n")
 
     def last_logged(self, role: str) -> Optional[dict]:
         """The newest confirmed sync of `role` in the log (to restore the reference on resume)."""

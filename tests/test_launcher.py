@@ -31,38 +31,40 @@ from test_slurm import (  # noqa: F401 - slurm_cluster and tiny_run are fixtures
 )
 
 
-def processes_of(port: int) -> list[str]:
-    """Command lines of the processes still serving or training on this run's server port."""
+def processes_of(run) -> list[str]:
+    """Command lines of the processes still serving or training on this run's server ports (server, ref-server)."""
+    port = int(next(o for o in run.overrides if o.startswith("server.port=")).split("=", 1)[1])
+    ports = {str(port), str(port + 1)}
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             words = cmdline.read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if f"--port={port}" in words or any(a == "--port" and b == str(port) for a, b in zip(words, words[1:])) \
-                or f"server.port={port}" in " ".join(words):
+        if any(a == "--port" and b in ports for a, b in zip(words, words[1:])) or f"--set=server.port={port}" in words:
             found.append(" ".join(words))
     return found
 
 
-def run_port(run) -> int:
-    return int(next(o for o in run.overrides if o.startswith("server.port=")).split("=", 1)[1])
-
-
-@pytest.mark.parametrize("executor", ["slurm", "local"])
-def test_launch_runs_the_server_then_the_trainer_and_cancels_the_server(executor, request, tiny_run, monkeypatch):
+@pytest.mark.parametrize("executor, layout", [("slurm", "shared"), ("local", "separate")])
+def test_launch_runs_the_servers_then_the_trainer_and_cancels_the_servers(executor, layout, request, tiny_run, monkeypatch):
     if executor == "slurm":
         request.getfixturevalue("slurm_cluster")
     monkeypatch.chdir(REPO)  # recipe paths are relative to the repository root, as for sbatch
+    tiny_run.overrides.append(f"server.layout={layout}")
     lines: list[str] = []
     code = launch(load_recipe(RECIPE, tiny_run.overrides), EXECUTORS[executor], tiny_run.overrides, echo=lines.append)
     output, status = "\n".join(lines), tiny_run.status()
     assert code == 0, f"{output}\n{status}"
-    assert "servers ready: {'server': 'http://" in output
-    assert_trained(tiny_run, *tiny_run.run_dir.glob("logs/trainer/*_0_log.out"), *tiny_run.run_dir.glob("logs/server/*_0_log.out"))
-    assert "trainer job" in status and ": succeeded" in status and "cancelled server job" in status
+    roles = ["server", "ref-server"] if layout == "separate" else ["server"]
+    ready = next(line for line in lines if line.startswith("servers ready: "))
+    assert all(f"'{role}': 'http://" in ready for role in roles), ready
+    logs = tiny_run.run_dir / "logs"
+    assert_trained(tiny_run, *logs.glob("trainer/*_0_log.out"), *(p for role in roles for p in logs.glob(f"{role}/*_0_log.out")))
+    assert "trainer job" in status and ": succeeded" in status
+    assert all(f"cancelled {role} job" in status for role in roles), status
     tiny_run.wait_for_no_jobs()
-    wait_until(lambda: not processes_of(run_port(tiny_run)), 30, "the run's processes to exit")
+    wait_until(lambda: not processes_of(tiny_run), 30, "the run's processes to exit")
 
 
 def test_interrupted_launch_cancels_its_jobs(slurm_cluster, tiny_run):

@@ -108,12 +108,14 @@ def slurm_state(job_id: str) -> str:
     return match.group(1) if match else "GONE"
 
 
-def assert_trained(run: TinyRun, trainer_log: Path, server_log: Path) -> None:
-    """The trainer did its steps and saved the model; the server served it; weights were synced."""
+def assert_trained(run: TinyRun, trainer_log: Path, *server_logs: Path) -> None:
+    """The trainer did its steps and saved the model; each server answered its requests; weights were synced."""
     assert re.search(r"step\s+4\b", trainer_log.read_text()), trainer_log.read_text()[-3000:]
     assert (run.run_dir / "model.safetensors").exists()
-    served = server_log.read_text()
-    assert "POST /generate" in served and "POST /ref/generate" in served, served[-2000:]
+    assert server_logs
+    for server_log in server_logs:
+        served = server_log.read_text()
+        assert re.search(r"POST (/ref)?/generate HTTP/1.1\" 200", served), served[-2000:]
     sync_log = run.run_dir / "weight_sync.jsonl"
     assert sync_log.exists(), f"no {sync_log}: the trainer confirmed no weight sync"
     entries = [json.loads(line) for line in sync_log.read_text().splitlines() if line.strip()]

@@ -1,0 +1,58 @@
+"""The benchmarks in tools/ run end to end with `--quick --json` and write their figures.
+
+Benchmarks are not timed tests: these check that each one runs and writes finite positive numbers under the
+keys its docstring promises, never that a target is met.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_quick_bench(tool: str, json_path: Path) -> dict:
+    """`python tools/<tool> --quick --json json_path`; the figures it wrote."""
+    done = subprocess.run([sys.executable, str(REPO / "tools" / tool), "--quick", "--json", str(json_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{tool} --quick failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    assert "| measurement |" in done.stdout  # the table was printed
+    return json.loads(json_path.read_text())
+
+
+def assert_finite_positive(figures: dict, keys: list[str]) -> None:
+    bad = {k: figures.get(k) for k in keys
+           if not (isinstance(figures.get(k), (int, float)) and math.isfinite(figures[k]) and figures[k] > 0)}
+    assert not bad, f"not finite positive numbers: {bad}"
+
+
+def test_bench_trainer_quick_writes_json(tmp_path):
+    figures = run_quick_bench("bench_trainer.py", tmp_path / "trainer.json")
+    assert_finite_positive(figures, [
+        "trainer.reference_param_bytes",
+        "trainer.stock.peak_rss_bytes", "trainer.remote.peak_rss_bytes",
+        "trainer.stock.rss_after_init_bytes", "trainer.remote.rss_after_init_bytes",
+        "trainer.stock.seconds_per_step", "trainer.remote.seconds_per_step",
+        "trainer.seconds_per_step_ratio", "trainer.rss_saving_target", "trainer.seconds_per_step_target",
+        "machine.cpu_cores",
+    ])
+    # the tiny model of --quick holds a ~0.4 MB reference: its RSS saving is within noise, may even be negative
+    assert math.isfinite(figures["trainer.rss_saving_bytes"]) and math.isfinite(figures["trainer.rss_saving_fraction"])
+    assert isinstance(figures["trainer.rss_saving_met"], bool) and isinstance(figures["trainer.seconds_per_step_met"], bool)
+
+
+def test_bench_sync_quick_writes_json(tmp_path):
+    figures = run_quick_bench("bench_sync.py", tmp_path / "sync.json")
+    parts = ["save_pretrained", "fsync", "sha256", "dump", "reload", "verify_sha256", "total"]
+    assert_finite_positive(figures, [
+        "sync.dump_bytes", "sync.ratio", "sync.target",
+        *(f"sync.ours.{part}_s" for part in parts),
+        *(f"sync.bare.{part}_s" for part in ("save", "load", "copy", "total")),
+        "sync.disk.write_bytes_per_s", "sync.dump_write_bytes_per_s", "sync.dump_write_vs_disk",
+        "sync.ratio_without_checksums", "sync.ratio_with_xxh3", "sync.ratio_without_fsync",
+        "sync.checksum.sha256_bytes_per_s", "sync.checksum.xxh3_128_bytes_per_s",
+        "machine.cpu_cores",
+    ])
+    assert isinstance(figures["sync.met"], bool)

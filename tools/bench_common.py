@@ -1,0 +1,70 @@
+"""Helpers shared by the benchmarks in tools/: machine facts, the models they run on, the table and the JSON file.
+
+Each benchmark prints `header(facts)` above a `markdown_table(...)` and, with `--json FILE`, writes `write_json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_tiny_model import make_tiny_model  # noqa: E402
+
+MIB = 1 << 20
+
+
+def machine_facts(quick: bool) -> dict:
+    """What the figures depend on: cores, threads, load, versions; keys `machine.*` and `config.quick`."""
+    import transformers
+
+    return {
+        "machine.cpu_cores": os.cpu_count(),
+        "machine.torch_threads": torch.get_num_threads(),
+        "machine.load_average_1m": os.getloadavg()[0],
+        "machine.platform": platform.platform(),
+        "machine.python": platform.python_version(),
+        "machine.torch": torch.__version__,
+        "machine.transformers": transformers.__version__,
+        "config.quick": quick,
+    }
+
+
+def header(facts: dict) -> str:
+    """The lines printed above a benchmark's table."""
+    return (
+        f"cores: {facts['machine.cpu_cores']}, torch threads: {facts['machine.torch_threads']}, "
+        f"torch {facts['machine.torch']}, transformers {facts['machine.transformers']}, "
+        f"python {facts['machine.python']}, {facts['machine.platform']}\n"
+        f"load average at start: {facts['machine.load_average_1m']:.2f}; quick: {facts['config.quick']}"
+    )
+
+
+def model_dir(root: Path, size: str) -> Path:
+    """`root/size`, built with `make_tiny_model` (seed 0) unless a build of that size is already there."""
+    out = root / size
+    info = out / "tiny_model.json"
+    if not (info.exists() and json.loads(info.read_text()).get("size") == size):
+        make_tiny_model(out, seed=0, size=size)
+    return out
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def verdict(met: bool) -> str:
+    return "yes" if met else "no"
+
+
+def write_json(path: Path, figures: dict) -> None:
+    """Write `figures`, a flat dict under stable keys such as `trainer.stock.peak_rss_bytes`."""
+    path.write_text(json.dumps(figures, indent=2) + "\n")

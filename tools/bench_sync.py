@@ -1,0 +1,299 @@
+"""Benchmark a weight sync (atomic dump + server reload) against a bare safetensors save + load; prints markdown tables.
+
+Side by side in one run, on the same float32 state dict of the ~100M-parameter model (`make_tiny_model(size="100m")`):
+
+- bare: `safetensors.torch.save_file(state_dict)`, `load_file`, and copying the tensors into the model's parameters
+  (the server copies into its parameters too);
+- ours: what `WeightSync._write` does, `write_weight_dir` around `save_pretrained(state_dict=...)` (each file
+  fsynced, a sha256 manifest, one rename), then `/update_weights_from_disk` over HTTP on a built-in server holding
+  the same model (`--no-ref-slot`), which checks the manifest's checksums and copies into its parameters.
+
+Target: ours / bare <= 1.3. Each part of ours is reported (save, fsync, sha256, reload, and the reload's sha256
+check timed here on the same files), with the throughput of other checksums on the dump, so a miss is explained.
+The disk's sequential write bandwidth is measured in the same run (`dd bs=4M conv=fsync`-style, a file of the
+dump's size) and set against the dump's write throughput (bytes / (save + fsync)).
+
+Repeats alternate which side goes first; every timed phase starts after an untimed `sync`, so dirty pages of the
+previous phase are not written back inside it. Medians are reported. Dumps go to a temporary directory under
+/tmp, or under `--dir` (put it on the file system the dumps would use).
+
+    python tools/bench_sync.py [--quick] [--json FILE] [--dir DIR] [--model-dir DIR]
+
+`--quick` (under a minute on 2 CPU cores) runs the tiny model (a ~0.4 MB dump), two repeats: it checks the
+harness only. `--json FILE` writes every figure under a stable key, e.g. `sync.ratio` or `sync.ours.sha256_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import xxhash
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
+
+from open_r1_ext import weight_files  # noqa: E402
+from open_r1_ext.client import SGLangClient  # noqa: E402
+from open_r1_ext.server_process import BuiltinServer  # noqa: E402
+
+RATIO_TARGET = 1.3
+BLOCK = 4 << 20  # dd bs=4M
+MB = 1e6
+CHECKSUMS: dict[str, Callable[[], object]] = {
+    "sha256": hashlib.sha256,  # what the manifest uses
+    "blake2b": hashlib.blake2b,
+    "sha1": hashlib.sha1,
+    "xxh3_128": xxhash.xxh3_128,
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    size: str
+    repeats: int
+
+
+FULL = Setup(size="100m", repeats=3)
+QUICK = Setup(size="tiny", repeats=2)
+
+
+class Stopwatch:
+    """Seconds per named phase, accumulated over calls."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            with self.part(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+@contextlib.contextmanager
+def timing_weight_files(watch: Stopwatch):
+    """Time the fsyncs and checksums inside `write_weight_dir` by wrapping the module functions it calls."""
+    originals = {name: getattr(weight_files, name) for name in ("_fsync", "sha256_of")}
+    for name, fn in originals.items():
+        setattr(weight_files, name, watch.wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(weight_files, name, fn)
+
+
+def copy_into(model, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(tensors[name])
+
+
+def bare(model, state: dict[str, torch.Tensor], work: Path) -> dict[str, float]:
+    """`save_file` + `load_file` + copy into the parameters, each phase timed."""
+    watch, path = Stopwatch(), work / "bare.safetensors"
+    os.sync()
+    with watch.part("save"):
+        save_file(state, str(path))
+    os.sync()
+    with watch.part("load"):
+        tensors = load_file(str(path))
+    with watch.part("copy"):
+        copy_into(model, tensors)
+    path.unlink()
+    seconds = dict(watch.seconds)
+    seconds["total"] = seconds["save"] + seconds["load"] + seconds["copy"]
+    return seconds
+
+
+def ours(model, state: dict[str, torch.Tensor], work: Path, client: SGLangClient, rep: int) -> dict[str, float]:
+    """`write_weight_dir(save_pretrained)` + the server's reload over HTTP; then the manifest check, timed here."""
+    watch, directory = Stopwatch(), work / f"step-{rep}"
+    save = watch.wrap("save_pretrained", model.save_pretrained)
+    os.sync()
+    with timing_weight_files(watch), watch.part("dump"):
+        weight_files.write_weight_dir(directory, lambda tmp: save(tmp, state_dict=state, safe_serialization=True))
+    os.sync()
+    with watch.part("reload"):
+        client.update_weights_from_disk(str(directory), weight_version=f"bench-{rep}")
+    with watch.part("verify_sha256"):  # what the server did first in its reload; not counted twice
+        weight_files.check_manifest(directory)
+    shutil.rmtree(directory)
+    s = watch.seconds
+    return {"save_pretrained": s["save_pretrained"], "fsync": s["_fsync"], "sha256": s["sha256_of"],
+            "other": s["dump"] - s["save_pretrained"] - s["_fsync"] - s["sha256_of"], "dump": s["dump"],
+            "reload": s["reload"], "verify_sha256": s["verify_sha256"], "total": s["dump"] + s["reload"]}
+
+
+def disk_write_bandwidth(work: Path, size: int) -> float:
+    """Bytes/s of writing `size` bytes in 4 MiB blocks then fsync, like `dd bs=4M conv=fsync`."""
+    block = memoryview(os.urandom(BLOCK))
+    path = work / "dd.bin"
+    os.sync()
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as handle:
+        written = 0
+        while written < size:
+            written += handle.write(block[: min(BLOCK, size - written)])
+        os.fsync(handle.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return size / seconds
+
+
+def checksum_throughputs(work: Path, state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Bytes/s of each checksum over a safetensors file of `state`, read in 4 MiB blocks as `sha256_of` does."""
+    path = work / "checksum.safetensors"
+    save_file(state, str(path))
+    size = path.stat().st_size
+    rates = {}
+    for name, factory in CHECKSUMS.items():
+        digest = factory()
+        start = time.perf_counter()
+        with open(path, "rb") as handle:
+            while block := handle.read(BLOCK):
+                digest.update(block)
+        digest.hexdigest()
+        rates[name] = size / (time.perf_counter() - start)
+    path.unlink()
+    return rates
+
+
+def measure(models_root: Path, work: Path, setup: Setup) -> dict:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # as WeightSync._write
+    path = model_dir(models_root, setup.size)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    dump_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    runs: dict[str, list[dict]] = {"bare": [], "ours": [], "disk": []}
+    with BuiltinServer(str(path), extra_args=("--no-ref-slot", "--dtype", "float32"),
+                       log_path=str(work / "server.log")) as server:
+        client = SGLangClient(server.url, max_retries=0)
+        for rep in range(setup.repeats):
+            runs["disk"].append({"bytes_per_s": disk_write_bandwidth(work, dump_bytes)})
+            sides = [("bare", lambda: bare(model, state, work)), ("ours", lambda: ours(model, state, work, client, rep))]
+            for name, side in sides if rep % 2 == 0 else sides[::-1]:
+                runs[name].append(side())
+    return summarize(runs, checksum_throughputs(work, state), dump_bytes, setup)
+
+
+def summarize(runs: dict[str, list[dict]], checksums: dict[str, float], dump_bytes: int, setup: Setup) -> dict:
+    figures: dict = {"sync.model": setup.size, "sync.repeats": setup.repeats, "sync.dump_bytes": dump_bytes}
+    for side in ("bare", "ours"):
+        for part in runs[side][0]:
+            figures[f"sync.{side}.{part}_s"] = statistics.median(r[part] for r in runs[side])
+        figures[f"sync.{side}.total_samples_s"] = [r["total"] for r in runs[side]]
+    ours_s, bare_s = figures["sync.ours.total_s"], figures["sync.bare.total_s"]
+    disk = statistics.median(r["bytes_per_s"] for r in runs["disk"])
+    dump_write = dump_bytes / (figures["sync.ours.save_pretrained_s"] + figures["sync.ours.fsync_s"])
+    checksum_s = figures["sync.ours.sha256_s"] + figures["sync.ours.verify_sha256_s"]  # at dump + at reload
+    xxh3_s = 2 * dump_bytes / checksums["xxh3_128"]
+    figures.update({
+        "sync.ratio": ours_s / bare_s,
+        "sync.target": RATIO_TARGET,
+        "sync.met": ours_s / bare_s <= RATIO_TARGET,
+        "sync.disk.write_bytes_per_s": disk,
+        "sync.dump_write_bytes_per_s": dump_write,
+        "sync.dump_write_vs_disk": dump_write / disk,
+        "sync.ratio_without_checksums": (ours_s - checksum_s) / bare_s,
+        "sync.ratio_with_xxh3": (ours_s - checksum_s + xxh3_s) / bare_s,
+        "sync.ratio_without_fsync": (ours_s - figures["sync.ours.fsync_s"]) / bare_s,
+    })
+    figures.update({f"sync.checksum.{name}_bytes_per_s": rate for name, rate in checksums.items()})
+    return figures
+
+
+def tables(f: dict) -> str:
+    ours_s, n = f["sync.ours.total_s"], f["sync.repeats"]
+    main = markdown_table(
+        ("measurement", "bare safetensors", "ours (dump + reload)", "ratio", "target", "met"),
+        [
+            (f"save/dump + load/reload of {f['sync.dump_bytes'] / MB:,.0f} MB, s (median of {n})",
+             f"{f['sync.bare.total_s']:.3f} s", f"{ours_s:.3f} s", f"{f['sync.ratio']:.2f}", f"<= {RATIO_TARGET:g}",
+             verdict(f["sync.met"])),
+            ("write throughput, MB/s: disk (4 MiB blocks + fsync) vs dump (save + fsync)",
+             f"disk {f['sync.disk.write_bytes_per_s'] / MB:,.0f}", f"dump {f['sync.dump_write_bytes_per_s'] / MB:,.0f}",
+             f"{f['sync.dump_write_vs_disk']:.2f}", "-", "-"),
+        ],
+    )
+    parts = [
+        ("ours", "save_pretrained (safetensors + config files)", "save_pretrained"),
+        ("ours", "fsync of every file and the directory", "fsync"),
+        ("ours", "sha256 of every file for the manifest", "sha256"),
+        ("ours", "the rest: marker, manifest, rename", "other"),
+        ("ours", "reload over HTTP (server: sha256 check, load, copy)", "reload"),
+        ("ours", "... of which the sha256 check (same check timed here)", "verify_sha256"),
+        ("bare", "save_file", "save"),
+        ("bare", "load_file", "load"),
+        ("bare", "copy into the parameters", "copy"),
+    ]
+    components = markdown_table(
+        ("side", "component", "seconds", "share of ours"),
+        [(side, what, f"{f[f'sync.{side}.{key}_s']:.3f}", f"{f[f'sync.{side}.{key}_s'] / ours_s:.0%}")
+         for side, what, key in parts],
+    )
+    rates = ", ".join(f"{name} {f[f'sync.checksum.{name}_bytes_per_s'] / MB:,.0f}" for name in CHECKSUMS)
+    what_if = (f"checksum throughput on the dump, MB/s: {rates}. Ratio without the two sha256 passes: "
+               f"{f['sync.ratio_without_checksums']:.2f}; with xxh3_128 instead: {f['sync.ratio_with_xxh3']:.2f}; "
+               f"without fsync: {f['sync.ratio_without_fsync']:.2f}.")
+    return f"{main}\n\n{components}\n\n{what_if}"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, two repeats (under a minute)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure and ratio to this file")
+    parser.add_argument("--dir", type=Path, default=None, help="write the dumps under this directory (default: a temp dir in /tmp)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="build the model here (and reuse it) instead of a temp dir")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    facts = machine_facts(args.quick)
+    setup = QUICK if args.quick else FULL
+    with tempfile.TemporaryDirectory(prefix="bench_sync-", dir=args.dir) as tmp:
+        work = Path(tmp)
+        figures = measure(args.model_dir or work, work, setup)
+    facts["wall_s"] = time.perf_counter() - started
+    figures.update(facts)
+    figures["config.dir"] = str(args.dir or tempfile.gettempdir())
+
+    print(header(facts) + f"; wall time: {facts['wall_s']:.1f} s")
+    print(f"model: {setup.size}; dumps under {figures['config.dir']}; {setup.repeats} repeats, alternating; "
+          "server: built-in, --no-ref-slot, float32")
+    print()
+    print(tables(figures))
+    if args.json is not None:
+        write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Benchmark the trainer process with the reference model on a server against stock TRL; prints a markdown table.
+
+Two figures, from the same GRPO runs (beta=0.04, generation by the policy in the trainer for both, so only the
+reference differs; float32 on CPU, bf16 off):
+
+1. Peak RSS of the trainer process: stock `GRPOTrainer` (local reference model) against `RemoteGRPOTrainer` with
+   `ref_model_url` on a built-in server (`--no-ref-slot`: one copy of the model). Each run is a fresh subprocess
+   (`--child stock|remote`), since a process's peak RSS only grows; it reports its own VmHWM. The server process is
+   not counted: moving the reference out of the trainer is the point. Target: saving >= 0.8 x the reference
+   model's parameter bytes (parameters x element size, counted in the stock run).
+2. Seconds per step, remote / stock, mean over the steps after the first (warm-up). Target <= 1.1. The server
+   computes the reference pass on the same cores while the trainer waits for it: that is part of the honest cost.
+
+Both children run with the same torch thread count (`--threads`, default: the number of cores); runs alternate
+stock/remote across repeats and the table gives medians. The model is built with `tools/make_tiny_model.py`
+(`size="100m"`, ~104M parameters) into a temporary directory, or into `--model-dir` to reuse it.
+
+    python tools/bench_trainer.py [--quick] [--json FILE] [--model-dir DIR] [--threads N]
+
+`--quick` (under a minute on 2 CPU cores) runs the tiny model, 3 steps, one run each: it checks the harness, and
+its RSS saving is within noise (the tiny reference is ~0.4 MB). `--json FILE` also writes every figure under a
+stable key, e.g. `trainer.rss_saving_fraction` or `trainer.seconds_per_step_ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import MIB, header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
+
+SAVING_TARGET = 0.8  # of the reference's parameter bytes
+STEP_TIME_TARGET = 1.1  # remote / stock
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Which model, how many optimizer steps per run (the first is warm-up), how many runs of each kind."""
+
+    size: str
+    steps: int
+    repeats: int
+    batch: int = 8  # completions per step: batch / generations prompts
+    generations: int = 4
+    completion_len: int = 16
+
+
+FULL = Setup(size="100m", steps=6, repeats=2)
+QUICK = Setup(size="tiny", steps=3, repeats=1)
+
+
+# ------------------------------------------------------------------ child: one training run in a fresh process
+def proc_status_bytes(field: str) -> int:
+    """A `VmXXX` line of /proc/self/status, in bytes (VmHWM: peak resident set, VmRSS: current)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def train_settings(output_dir: Path, setup: Setup) -> dict:
+    return dict(output_dir=str(output_dir), per_device_train_batch_size=setup.batch, num_generations=setup.generations,
+                max_completion_length=setup.completion_len, max_steps=setup.steps, beta=0.04, learning_rate=1e-5,
+                seed=42, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    return [len(c[0]["content"]) / 10.0 for c in completions]
+
+
+def child(kind: str, model: str, setup: Setup, threads: int, output_dir: Path, ref_url: Optional[str]) -> dict:
+    """Train `setup.steps` steps; return peak RSS, RSS before training, per-step seconds, losses."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from open_r1_ext import RemoteGRPOConfig, RemoteGRPOTrainer
+    from open_r1_ext.trainer import RemoteReference
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.marks = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.marks.append(time.perf_counter())
+
+    torch.set_num_threads(threads)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(64)])
+    settings = train_settings(output_dir, setup)
+    if kind == "stock":
+        trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=GRPOConfig(**settings), train_dataset=dataset)
+        reference_bytes = sum(p.numel() * p.element_size() for p in trainer.ref_model.parameters())
+    else:
+        args = RemoteGRPOConfig(**settings, ref_model_url=ref_url)
+        trainer = RemoteGRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset)
+        if not isinstance(trainer.ref_model, RemoteReference):
+            raise RuntimeError(f"the remote run built a local reference: {type(trainer.ref_model).__name__}")
+        reference_bytes = 0
+    rss_after_init = proc_status_bytes("VmRSS")
+    clock = StepClock()
+    trainer.add_callback(clock)
+    trainer.train()
+    marks = clock.marks
+    return {
+        "peak_rss_bytes": proc_status_bytes("VmHWM"),
+        "rss_after_init_bytes": rss_after_init,
+        "step_seconds": [b - a for a, b in zip(marks, marks[1:])],
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "reference_param_bytes": reference_bytes,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# ---------------------------------------------------------------- parent: the server, the runs, the table
+def run_child(kind: str, model: Path, setup: Setup, threads: int, output_dir: Path, ref_url: str) -> dict:
+    """`--child kind` in a fresh interpreter; its result is the last line of its stdout."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--setup", json.dumps(asdict(setup)),
+               "--model", str(model), "--threads", str(threads), "--out-dir", str(output_dir), "--ref-url", ref_url]
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(root: Path, setup: Setup, threads: int) -> dict:
+    """Alternate stock and remote runs (stock first on even repeats) against one built-in server."""
+    from open_r1_ext.server_process import BuiltinServer
+
+    path = model_dir(root, setup.size)
+    runs: dict[str, list[dict]] = {"stock": [], "remote": []}
+    server_args = ("--no-ref-slot", "--dtype", "float32")
+    with BuiltinServer(str(path), extra_args=server_args, log_path=str(root / "server.log")) as server:
+        for rep in range(setup.repeats):
+            for kind in ("stock", "remote") if rep % 2 == 0 else ("remote", "stock"):
+                runs[kind].append(run_child(kind, path, setup, threads, root / f"{kind}-{rep}", server.url))
+    return summarize(runs, setup)
+
+
+def summarize(runs: dict[str, list[dict]], setup: Setup) -> dict:
+    figures: dict = {"trainer.model": setup.size, "trainer.steps": setup.steps, "trainer.timed_steps": setup.steps - 1,
+                     "trainer.repeats": setup.repeats, "trainer.completions_per_step": setup.batch,
+                     "trainer.completion_len": setup.completion_len,
+                     "trainer.torch_threads": runs["stock"][0]["torch_threads"]}
+    for kind, results in runs.items():
+        per_run = [statistics.mean(r["step_seconds"][1:]) for r in results]
+        figures[f"trainer.{kind}.peak_rss_bytes"] = statistics.median(r["peak_rss_bytes"] for r in results)
+        figures[f"trainer.{kind}.rss_after_init_bytes"] = statistics.median(r["rss_after_init_bytes"] for r in results)
+        figures[f"trainer.{kind}.seconds_per_step"] = statistics.median(per_run)
+        figures[f"trainer.{kind}.step_seconds"] = [r["step_seconds"] for r in results]
+    reference = runs["stock"][0]["reference_param_bytes"]
+    saving = figures["trainer.stock.peak_rss_bytes"] - figures["trainer.remote.peak_rss_bytes"]
+    ratio = figures["trainer.remote.seconds_per_step"] / figures["trainer.stock.seconds_per_step"]
+    figures.update({
+        "trainer.reference_param_bytes": reference,
+        "trainer.rss_saving_bytes": saving,
+        "trainer.rss_saving_fraction": saving / reference,
+        "trainer.rss_saving_target": SAVING_TARGET,
+        "trainer.rss_saving_met": saving >= SAVING_TARGET * reference,
+        "trainer.seconds_per_step_ratio": ratio,
+        "trainer.seconds_per_step_target": STEP_TIME_TARGET,
+        "trainer.seconds_per_step_met": ratio <= STEP_TIME_TARGET,
+        "trainer.loss_max_abs_diff": max(abs(a - b) for s, r in zip(runs["stock"], runs["remote"])
+                                         for a, b in zip(s["losses"], r["losses"])),
+    })
+    return figures
+
+
+def table(f: dict) -> str:
+    mib = lambda key: f"{f[key] / MIB:,.0f} MiB"  # noqa: E731
+    reference = f["trainer.reference_param_bytes"]
+    init_saving = f["trainer.stock.rss_after_init_bytes"] - f["trainer.remote.rss_after_init_bytes"]
+    rows = [
+        ("peak RSS of the trainer process (VmHWM)", mib("trainer.stock.peak_rss_bytes"), mib("trainer.remote.peak_rss_bytes"),
+         f"saving {f['trainer.rss_saving_bytes'] / MIB:,.0f} MiB = {f['trainer.rss_saving_fraction']:.2f} x reference "
+         f"params ({reference / MIB:,.0f} MiB)", f">= {SAVING_TARGET:g} x reference params",
+         verdict(f["trainer.rss_saving_met"])),
+        ("RSS after trainer init, before step 1", mib("trainer.stock.rss_after_init_bytes"),
+         mib("trainer.remote.rss_after_init_bytes"), f"saving {init_saving / MIB:,.0f} MiB = {init_saving / reference:.2f} x",
+         "-", "-"),
+        (f"seconds per step (mean of steps 2..{f['trainer.steps']})", f"{f['trainer.stock.seconds_per_step']:.3f} s",
+         f"{f['trainer.remote.seconds_per_step']:.3f} s", f"remote / stock {f['trainer.seconds_per_step_ratio']:.3f}",
+         f"<= {STEP_TIME_TARGET:g}", verdict(f["trainer.seconds_per_step_met"])),
+    ]
+    return markdown_table(("measurement", "stock (local ref)", "remote ref", "ratio / saving", "target", "met"), rows)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, one run each (under a minute)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure and ratio to this file")
+    parser.add_argument("--model-dir", type=Path, default=None, help="build the model here (and reuse it) instead of a temp dir")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of both trainer runs")
+    child_args = parser.add_argument_group("internal: one training run (started by the benchmark itself)")
+    child_args.add_argument("--child", choices=("stock", "remote"), default=None)
+    child_args.add_argument("--setup", type=lambda text: Setup(**json.loads(text)), default=None)
+    child_args.add_argument("--model", default=None)
+    child_args.add_argument("--out-dir", type=Path, default=None)
+    child_args.add_argument("--ref-url", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(child(args.child, args.model, args.setup, args.threads, args.out_dir, args.ref_url)))
+        return
+    started = time.perf_counter()
+    facts = machine_facts(args.quick)
+    setup = QUICK if args.quick else FULL
+    if args.model_dir is not None:
+        figures = measure(args.model_dir, setup, args.threads)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench_trainer-") as tmp:
+            figures = measure(Path(tmp), setup, args.threads)
+    facts["wall_s"] = time.perf_counter() - started
+    figures.update(facts)
+
+    print(header(facts) + f"; wall time: {facts['wall_s']:.1f} s")
+    print(f"model: {setup.size} ({figures['trainer.reference_param_bytes'] / MIB:,.0f} MiB of float32 parameters); "
+          f"{setup.steps} steps per run (first = warm-up), {setup.repeats} run(s) of each, alternating; "
+          f"{setup.batch // setup.generations} prompts x {setup.generations} completions of <= {setup.completion_len} "
+          f"tokens per step, beta 0.04, local generation; torch threads per trainer: {figures['trainer.torch_threads']}; "
+          f"reference server: built-in, --no-ref-slot, not counted in RSS; "
+          f"losses stock vs remote differ by <= {figures['trainer.loss_max_abs_diff']:.1e}")
+    print()
+    print(table(figures))
+    if args.json is not None:
+        write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()

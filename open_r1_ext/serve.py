@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import random
 from typing import Any, Optional
 
@@ -291,6 +292,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     parser.add_argument("--max-batch-wait-ms", type=float, default=5.0, help="how long to collect requests into one batch")
     parser.add_argument("--max-batch-tokens", type=int, default=32768, help="padded tokens per scoring forward")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch CPU threads (default on CPU: half the cores, leaving the rest to a trainer beside it)")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -302,6 +305,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.manual_seed(args.random_seed)
+    if args.num_threads or (args.device in (None, "cpu") and not torch.cuda.is_available()):
+        torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 2) // 2))
     paths = {"": args.model_path}
     if not args.no_ref_slot:
         paths[REF_PREFIX] = args.ref_model_path or args.model_path

@@ -177,8 +177,8 @@ class SlurmPlan:
         args += [f"--{key}={value}" for key, value in optional.items() if value is not None]
         args += ["--exclusive"] if slurm.exclusive else []
         args += self.extra_sbatch
-        logs = self.files.logs
-        return args + [f"--output={logs}/{role}-%j.out", f"--error={logs}/{role}-%j.err"]
+        logs = self.files.logs  # appended to, so a requeued job keeps the log of its earlier starts
+        return args + [f"--output={logs}/{role}-%j.out", f"--error={logs}/{role}-%j.err", "--open-mode=append"]
 
     def srun_args(self, role: str) -> list[str]:
         """One task per node, with the job's CPUs and GPUs (srun does not inherit --cpus-per-task)."""

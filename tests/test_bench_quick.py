@@ -56,3 +56,12 @@ def test_bench_sync_quick_writes_json(tmp_path):
         "machine.cpu_cores",
     ])
     assert isinstance(figures["sync.met"], bool)
+
+
+def test_bench_server_quick_writes_json(tmp_path):
+    figures = run_quick_bench("bench_server.py", tmp_path / "x.json")
+    ref = [f"ref_logprobs.{size}.{name}" for size in ("tiny", "100m")
+           for name in ("ratio", "inprocess_tokens_per_s", "http_tokens_per_s", "target")]
+    assert_finite_positive(figures, [*ref, "generate.tiny.ratio", "generate.tiny.sequential_s", "generate.tiny.batched_s",
+                                     "generate.tiny.target", "machine.cpu_cores"])
+    assert all(isinstance(figures[f"{key}.met"], bool) for key in ("ref_logprobs.tiny", "ref_logprobs.100m", "generate.tiny"))

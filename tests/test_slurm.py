@@ -136,7 +136,7 @@ def test_sbatch_options_come_from_the_recipe(tiny_model):
         "--job-name=grpo-tiny-trainer", "--time=00:30:00", "--nodes=1", "--ntasks-per-node=1", "--partition=debug",
         "--account=proj", "--qos=high", "--constraint=h100", "--cpus-per-task=8", "--mem=64G", "--gres=gpu:4",
         "--exclusive", "--reservation=r1", "--requeue",
-        "--output=/runs/x/logs/trainer-%j.out", "--error=/runs/x/logs/trainer-%j.err"]
+        "--output=/runs/x/logs/trainer-%j.out", "--error=/runs/x/logs/trainer-%j.err", "--open-mode=append"]
     assert not any(a.startswith("--gres") for a in plan.sbatch_args("server"))  # gpus_per_node: 0
     assert plan.srun_args("trainer") == ["--nodes=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                                          "--cpus-per-task=8", "--gres=gpu:4"]
@@ -165,7 +165,7 @@ def test_sglang_servers_span_nodes_and_the_trainer_gets_both_urls(tiny_model):
 
 def test_slurm_env_is_shell_that_round_trips(tiny_model):
     plan = tiny_plan(tiny_model, "server.api_key=it's $ecret", "trainer.output_dir=/runs/with space")
-    script = plan.shell_env() + 'printf "%s\\n" "$RUN_DIR" "${SERVER_ROLES[@]}" "${SERVER_SBATCH[@]: -1}" "$SERVER_CMD"'
+    script = plan.shell_env() + 'printf "%s\\n" "$RUN_DIR" "${SERVER_ROLES[@]}" "${SERVER_SBATCH[@]: -2:1}" "$SERVER_CMD"'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[:3] == ["/runs/with space", "server", "--error=/runs/with space/logs/server-%j.err"]
     assert out[3].endswith("--api-key 'it'\"'\"'s $ecret'")  # quoted for the task's `bash -c`

@@ -45,9 +45,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_new_recipe(args: argparse.Namespace) -> int:
-    """Copy a recipe for another model: the model, the server's model path and the output dir change, comments stay."""
-    import re
-
+    """Copy a recipe for another model: the model id and its short name (output dir, sync dir, job name) change;
+    comments and everything else stay, for the user to adjust (GPU counts, batch sizes)."""
     from .recipe import RecipeError, load_recipe
 
     source = Path(args.source)
@@ -61,9 +60,8 @@ def cmd_new_recipe(args: argparse.Namespace) -> int:
         print(f"{out} exists; pass --force to overwrite", file=sys.stderr)
         return 2
     old_model = recipe.model.name_or_path
-    short = args.model.rstrip("/").split("/")[-1]
-    text = source.read_text().replace(old_model, args.model)
-    text = re.sub(r"(?m)^(\s*output_dir:\s*).*$", lambda m: f"{m.group(1)}runs/{short}", text, count=1)
+    old_short, new_short = (name.rstrip("/").split("/")[-1] for name in (old_model, args.model))
+    text = source.read_text().replace(old_model, args.model).replace(old_short, new_short)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out} (model {args.model}); check it with: open-r1-ext validate {out}")

@@ -152,11 +152,15 @@ class Recipe:
             return server_url, f"{server_url.rstrip('/')}/ref"
         return server_url, server_url
 
-    def trainer_config(self, generation_url: Optional[str] = None, ref_model_url: Optional[str] = None):
-        """The `RemoteGRPOConfig` of this run, with the servers' URLs filled in."""
+    def trainer_config(self, generation_url: Optional[str] = None, ref_model_url: Optional[str] = None,
+                       on_this_machine: bool = True):
+        """The `RemoteGRPOConfig` of this run, with the servers' URLs filled in. `on_this_machine=False` (validation
+        on a login node) leaves out the settings transformers checks against the local hardware (bf16, fp16, tf32)."""
         from .config import RemoteGRPOConfig
 
         kwargs = dict(self.trainer, **self.sync)
+        if not on_this_machine:
+            kwargs.update(bf16=False, fp16=False, tf32=None, use_cpu=True)
         kwargs.setdefault("model_init_kwargs", {})
         kwargs["model_init_kwargs"] = dict(kwargs["model_init_kwargs"], **self.model_init_kwargs())
         kwargs["reward_weights"] = [r.weight for r in self.rewards]
@@ -390,7 +394,7 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
     _check_batch(recipe, problems)
     if not problems:
         try:
-            recipe.trainer_config(generation_url="http://validate:0", ref_model_url="http://validate:0")
+            recipe.trainer_config(generation_url="http://validate:0", ref_model_url="http://validate:0", on_this_machine=False)
         except (ValueError, TypeError) as err:
             problems.append(("trainer", f"{err}"))
 

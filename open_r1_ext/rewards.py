@@ -19,10 +19,14 @@ def _text(completion) -> str:
     return completion[-1]["content"] if isinstance(completion, list) else completion
 
 
-def accuracy(completions, solution, **kwargs) -> list[float]:
-    """1.0 when the text inside `<answer>...</answer>` equals the `solution` column (whitespace-trimmed), else 0.0."""
+def accuracy(completions, answer=None, solution=None, **kwargs) -> list[float]:
+    """1.0 when the text inside `<answer>...</answer>` equals the dataset's `answer` column (else its `solution`
+    column), whitespace-trimmed; 0.0 otherwise."""
+    truths = answer if answer is not None else solution
+    if truths is None:
+        raise ValueError("the accuracy reward needs an 'answer' or 'solution' column in the dataset")
     rewards = []
-    for completion, truth in zip(completions, solution):
+    for completion, truth in zip(completions, truths):
         match = ANSWER.search(_text(completion))
         rewards.append(1.0 if match and match.group(1).strip() == str(truth).strip() else 0.0)
     return rewards

@@ -105,20 +105,14 @@ def test_update_weights_from_disk_then_partial_dump_refused(server, tiny_model, 
         client.update_weights_from_disk(str(tiny_model), weight_version="default")
 
 
-def test_wrong_shapes_refused(server, tmp_path):
-    from make_tiny_model import make_tiny_model
+def test_wrong_shapes_refused(server, tiny_model, tmp_path):
+    from trainer_helpers import model_variant
 
-    wide = tmp_path / "wide"
-    make_tiny_model(wide, seed=0, size="tiny")
-    cfg = (wide / "config.json").read_text()
-    from transformers import AutoConfig, AutoModelForCausalLM as M
-    config = AutoConfig.from_pretrained(wide)
-    config.intermediate_size = 96
-    M.from_config(config).save_pretrained(wide)
-    assert cfg  # the tokenizer files stay; only the weights change shape
+    narrow = model_variant(tiny_model, tmp_path / "narrow", intermediate_size=96)
     client = SGLangClient(server.url, request_timeout=60, max_retries=1)
     with pytest.raises(ServerRequestError, match="shape"):
-        client.update_weights_from_disk(str(wide))
+        client.update_weights_from_disk(str(narrow))
+    assert client.weight_version() == "default"
 
 
 def test_sixteen_concurrent_clients_get_their_own_answers(server, hf_model):

@@ -6,7 +6,6 @@ import threading
 
 import pytest
 import requests
-import torch
 from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -14,7 +13,7 @@ from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.client import ServerError
 from open_r1_ext.server_process import BuiltinServer, free_port
 from open_r1_ext.trainer import RemoteReference
-from trainer_helpers import reward_len, tiny_config, tiny_dataset, tiny_settings
+from trainer_helpers import model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 
 def losses_and_kl(trainer):
@@ -80,13 +79,7 @@ def test_server_not_up_is_a_clear_error(tiny_model, tmp_path):
 
 
 def test_vocabulary_mismatch_is_refused(tiny_model, tmp_path):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(tiny_model)
-    config.vocab_size = 320
-    other = tmp_path / "other-vocab"
-    AutoModelForCausalLM.from_config(config).save_pretrained(other)
-    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(other)
+    other = model_variant(tiny_model, tmp_path / "other-vocab", vocab_size=320)
     with BuiltinServer(str(other), extra_args=("--no-ref-slot",)) as srv:
         args = tiny_config(tmp_path / "out", ref_model_url=srv.url)
         with pytest.raises(ValueError, match="vocabulary size 320 on the server, 300 in the trainer"):

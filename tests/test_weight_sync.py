@@ -1,12 +1,10 @@
 """Weight sync against a real built-in server: exact reloads, atomic dumps, pruning, reference sync schedule."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.client import SGLangClient, ServerRequestError
 from open_r1_ext.config import RemoteGRPOConfig
 from open_r1_ext.weight_sync import epochs_crossed
-from trainer_helpers import reward_len, tiny_config, tiny_dataset, tiny_settings
+from trainer_helpers import model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 FIXED_BATCH = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
@@ -187,16 +185,11 @@ def test_soft_reference_update_mixes_on_the_builtin_server(tiny_model, other_tin
 
 
 def test_failed_reload_stops_training_unless_staleness_allows(tiny_model, tmp_path):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from open_r1_ext.server_process import BuiltinServer
     from open_r1_ext.weight_sync import WeightSyncError
 
     # a server whose model has other shapes: it generates, but cannot load the trainer's weights
-    config = AutoConfig.from_pretrained(tiny_model)
-    config.intermediate_size = 96
-    narrow = tmp_path / "narrow"
-    AutoModelForCausalLM.from_config(config).save_pretrained(narrow)
-    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(narrow)
+    narrow = model_variant(tiny_model, tmp_path / "narrow", intermediate_size=96)
     with BuiltinServer(str(narrow), extra_args=("--no-ref-slot",)) as srv:
         args = tiny_config(tmp_path / "strict", max_steps=3, generation_url=srv.url, beta=0.0)
         trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())

@@ -1,6 +1,9 @@
-"""Helpers shared by the trainer tests: a tiny prompt dataset, a reward, and configs sized for 2 CPU cores."""
+"""Helpers shared by the tests: a tiny prompt dataset, a reward, configs sized for 2 CPU cores, model variants."""
+
+from pathlib import Path
 
 from datasets import Dataset
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from open_r1_ext import RemoteGRPOConfig
 
@@ -24,3 +27,13 @@ def tiny_settings(output_dir, **overrides) -> dict:
 
 def tiny_config(output_dir, **overrides) -> RemoteGRPOConfig:
     return RemoteGRPOConfig(**tiny_settings(output_dir, **overrides))
+
+
+def model_variant(base: Path, out: Path, **config_changes) -> Path:
+    """A random model like `base` but with `config_changes` (e.g. another vocab size), and `base`'s tokenizer."""
+    config = AutoConfig.from_pretrained(base)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out

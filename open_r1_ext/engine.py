@@ -109,37 +109,43 @@ class ModelEngine:
                 input_ids=step_input, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True
             )
             cache = out.past_key_values
-            logits = out.logits[:, -1].float()
-            next_ids = torch.full((len(active),), self.pad_token_id, dtype=torch.long, device=self.device)
-            for row, task in enumerate(active):
-                if task.finish is None:
-                    next_ids[row] = self._sample_one(task, logits[row], generators[row])
+            next_ids = self._next_tokens(active, out.logits[:, -1].float(), generators)
             step_input = next_ids[:, None]
             mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=self.device)], dim=1)
             if all(t.finish is not None for t in active):
                 break
         return tasks
 
-    def _sample_one(self, task: GenerationTask, logits: torch.Tensor, generator: torch.Generator) -> int:
-        """Pick the next token of one task, record its log-prob (temperature-scaled, as SGLang) and finish."""
-        params = task.params
-        if params.greedy:
-            logprobs = F.log_softmax(logits, dim=-1)
-            token = int(torch.argmax(logits))
-        else:
-            logprobs = F.log_softmax(logits / params.temperature, dim=-1)
-            filtered = _top_k_top_p(logprobs, params.top_k, params.top_p)
-            token = int(torch.multinomial(filtered.softmax(-1), 1, generator=generator))
-        task.output_ids.append(token)
-        task.output_logprobs.append(float(logprobs[token]))
-        stops = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stops |= self.eos_token_ids
-        if token in stops:
-            task.finish = ("stop", token)
-        elif len(task.output_ids) >= params.max_new_tokens:
-            task.finish = ("length", len(task.output_ids))
-        return token
+    def _next_tokens(self, tasks: list[GenerationTask], logits: torch.Tensor, generators) -> torch.Tensor:
+        """One decode step for all rows at once: pick each unfinished task's token (greedy, or sampled with its own
+        generator by the Gumbel-max trick over its top-k/top-p set), record its log-prob (temperature-scaled, as
+        SGLang returns them) and whether it finished. Finished rows get the pad token."""
+        next_ids = torch.full((len(tasks),), self.pad_token_id, dtype=torch.long, device=self.device)
+        rows = [i for i, t in enumerate(tasks) if t.finish is None]
+        if not rows:
+            return next_ids
+        params = [tasks[i].params for i in rows]
+        greedy = torch.tensor([p.greedy for p in params], device=self.device)
+        temperature = torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=self.device)
+        logprobs = F.log_softmax(logits[rows] / temperature[:, None], dim=-1)
+        filtered = _top_k_top_p(logprobs, [p.top_k for p in params], [float(p.top_p) for p in params])
+        uniform = torch.stack([torch.rand(logits.shape[-1], generator=generators[i], device=self.device) for i in rows])
+        gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+        chosen = torch.where(greedy, logits[rows].argmax(-1), (filtered + gumbel).argmax(-1))
+        chosen_logprobs = logprobs.gather(-1, chosen[:, None])[:, 0]
+        next_ids[rows] = chosen
+        for row, token, logprob in zip(rows, chosen.tolist(), chosen_logprobs.tolist()):
+            task = tasks[row]
+            task.output_ids.append(token)
+            task.output_logprobs.append(logprob)
+            stops = set(task.params.stop_token_ids or ())
+            if not task.params.ignore_eos:
+                stops |= self.eos_token_ids
+            if token in stops:
+                task.finish = ("stop", token)
+            elif len(task.output_ids) >= task.params.max_new_tokens:
+                task.finish = ("length", len(task.output_ids))
+        return next_ids
 
     # ----------------------------------------------------------------- weights
     @torch.inference_mode()
@@ -181,15 +187,14 @@ def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _top_k_top_p(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside the top-k and outside the smallest set with probability >= top_p."""
-    out = logprobs.clone()
-    if 0 < top_k < out.numel():
-        kth = torch.topk(out, top_k).values[-1]
-        out[out < kth] = float("-inf")
-    if top_p < 1.0:
-        sorted_lp, order = torch.sort(out, descending=True)
-        cumulative = sorted_lp.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_lp.softmax(-1) >= top_p
-        out[order[drop]] = float("-inf")
-    return out
+def _top_k_top_p(logprobs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Per row, mask (to -inf) the tokens outside its top-k (k <= 0: none) and outside the smallest set whose
+    probability reaches its top-p."""
+    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
+    rank = torch.arange(logprobs.shape[-1], device=logprobs.device)[None, :]
+    k = torch.tensor([kk if kk > 0 else logprobs.shape[-1] for kk in top_k], device=logprobs.device)[:, None]
+    p = torch.tensor(top_p, device=logprobs.device)[:, None]
+    probs = sorted_lp.softmax(-1)
+    drop_sorted = (rank >= k) | (probs.cumsum(-1) - probs >= p)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logprobs.masked_fill(drop, float("-inf"))

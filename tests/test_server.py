@@ -79,6 +79,18 @@ def test_sampling_with_seed_is_reproducible_and_seeds_differ(client):
     assert all(lp <= 0 for p in a for c in p for lp in c.logprobs)
 
 
+def test_top_k_and_top_p_restrict_the_sampled_set(client):
+    prompts = [[1, 2, 3], [9, 8, 7, 6]]
+    greedy = client.generate(prompts, {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True})
+    for restrict in ({"top_k": 1}, {"top_p": 1e-4}):
+        sampled = client.generate(prompts, {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, **restrict},
+                                  n=2, seeds=[1, 2, 3, 4])
+        assert [[c.token_ids for c in g] for g in sampled] == [[g[0].token_ids] * 2 for g in greedy]
+    wide = client.generate(prompts, {"max_new_tokens": 10, "temperature": 1.0, "top_k": 50, "ignore_eos": True},
+                           n=2, seeds=[1, 2, 3, 4])
+    assert wide[0][0].token_ids != greedy[0][0].token_ids
+
+
 def test_update_weights_from_disk_then_partial_dump_refused(server, tiny_model, other_tiny_model, tmp_path):
     client = SGLangClient(server.url, request_timeout=60, max_retries=1)
     seq = [[3, 1, 4, 1, 5, 9, 2, 6]]

@@ -27,9 +27,10 @@ from .recipe import Recipe
 from .slurm_plan import POLL_S, TRAINER, RunFiles, SlurmPlan, argv
 
 ExecutorFactory = Callable[[Path], submitit.Executor]
-# squeue/scontrol states of a job that may still run (a requeued trainer is PENDING again)
+# squeue/scontrol states of a job that may still run (a requeued trainer is PENDING again); UNKNOWN: squeue failed
+# for another reason than an unknown job id (a busy controller), so a run is never cut short on a hiccup
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
-                 "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD"}
+                 "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "UNKNOWN"}
 
 
 class LaunchError(RuntimeError):
@@ -87,6 +88,8 @@ def slurm_job_state(job_id: str) -> str:
     queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
     if queued.stdout.strip():
         return queued.stdout.split()[0]
+    if queued.returncode and "Invalid job id" not in queued.stderr:
+        return "UNKNOWN"
     shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
     for word in shown.split():
         if word.startswith("JobState="):
@@ -197,7 +200,7 @@ class ServerTask:
             if env.node == 0:
                 files.addr(self.role).unlink(missing_ok=True)
             _stop(process)
-        if process.returncode not in (0, None, -signal.SIGTERM):
+        if process.returncode not in (0, -signal.SIGTERM):
             raise LaunchError(f"{me}: the server exited with code {process.returncode}")
         return 0
 
@@ -235,9 +238,11 @@ class TrainerTask(Checkpointable):
     def __init__(self, plan: SlurmPlan, servers: Sequence[JobRef]):
         self.plan, self.servers = plan, list(servers)
         self._process: Optional[subprocess.Popen] = None
+        self._job_id: Optional[str] = None
 
     def __call__(self) -> int:
         env = submitit.JobEnvironment()
+        self._job_id = env.job_id
         signal.signal(signal.SIGTERM, _raise_interrupt)  # cancelled: stop training (preemption comes as USR2)
         urls = {server.role: wait_for_server(self.plan, server) for server in self.servers}
         self._process = _spawn(argv(self.plan.trainer_command(env.node, env.hostnames[0], urls)))
@@ -250,7 +255,12 @@ class TrainerTask(Checkpointable):
         return code
 
     def checkpoint(self, *args, **kwargs) -> DelayedSubmission:
-        _stop(self._process)
+        # Runs in a signal handler while __call__ waits on the process: signal it, never wait here (that would
+        # deadlock on Popen's lock); __call__'s `finally` reaps it once submitit exits.
+        if self._process is not None:
+            self._process.terminate()
+        record(self.plan.files, f"trainer job {self._job_id}: preempted or out of time; requeued, it resumes from "
+                                "the last checkpoint")
         return DelayedSubmission(TrainerTask(self.plan, self.servers))
 
 
@@ -268,6 +278,7 @@ def launch(recipe: Recipe, executor_factory: ExecutorFactory, overrides: Sequenc
     plan = SlurmPlan(recipe, overrides)
     files = plan.files
     prepare_run_dir(plan)
+    echo(f"run directory {files.run_dir}: logs in {files.logs}/, events in {files.status}")
     jobs: dict[str, tuple[submitit.Job, JobRef]] = {}
     try:
         with _signals_as_interrupt():

@@ -11,7 +11,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 from .recipe import Recipe, SlurmJob
 
@@ -108,7 +108,8 @@ class RunFiles:
 class SlurmPlan:
     """The jobs of a run: one per server (`server`, and `ref-server` with layout: separate) and the trainer.
 
-    `overrides` are the `--set` values the recipe was loaded with; jobs load it again with the same ones.
+    Server jobs get `slurm.server`'s resources, the trainer `slurm.trainer`'s; both get the section's partition,
+    account, qos, time, constraint, exclusive and extra_sbatch. `overrides` are the `--set` values the recipe was loaded with; jobs load it again with the same ones.
     """
 
     def __init__(self, recipe: Recipe, overrides: Sequence[str] = ()):
@@ -161,7 +162,7 @@ class SlurmPlan:
         options = []
         for i, line in enumerate(self.recipe.slurm.extra_sbatch):
             option = str(line).removeprefix("#SBATCH").strip()
-            if not option.startswith("--") or " " in option:
+            if not option.startswith("--") or " " in option.split("=", 1)[0]:
                 raise PlanError(f"slurm.extra_sbatch[{i}]: {line!r}: give one long sbatch option, e.g. --reservation=r1")
             options.append(option)
         return options
@@ -231,12 +232,11 @@ class SlurmPlan:
         cmd: list[Word] = [sys.executable, "-m", "accelerate.commands.launch"]
         if recipe.accelerate_config:
             cmd += ["--config_file", str(Path(recipe.accelerate_config).resolve())]
-        elif job.gpus_per_node == 0:
-            cmd += ["--cpu"]
-        elif job.num_processes > 1:
-            cmd += ["--multi_gpu"]
+        else:  # accelerate's defaults, said out loud (it warns about each one left out)
+            cmd += ["--cpu"] if job.gpus_per_node == 0 else ["--multi_gpu"] if job.num_processes > 1 else []
+            cmd += ["--dynamo_backend", "no"]
         cmd += ["--num_machines", job.nodes, "--num_processes", job.num_processes, "--machine_rank", node_rank,
-                "--main_process_ip", main_addr, "--main_process_port", MAIN_PROCESS_PORT, "--dynamo_backend", "no"]
+                "--main_process_ip", main_addr, "--main_process_port", MAIN_PROCESS_PORT]
         cmd += ["-m", "open_r1_ext.train", *self.recipe_args()]
         if SERVER in urls:
             cmd += ["--server-url", urls[SERVER]]
@@ -259,23 +259,26 @@ class SlurmPlan:
         values: dict = {"RUN_DIR": files.run_dir, "LOG_DIR": files.logs, "STATUS_FILE": files.status,
                         "JOBS_FILE": files.jobs, "SERVER_ROLES": self.server_roles,
                         "SERVER_WAIT_S": int(self.server_wait_s), "POLL_S": POLL_S}
-        node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")
+        node, head, urls = self._job_placeholders()
         for role in self.server_roles:
             var = role_var(role)
             values.update({f"{var}_SBATCH": self.sbatch_args(role), f"{var}_SRUN": self.srun_args(role),
                            f"{var}_CMD": shell_join(self.server_command(role, node, head)),
                            f"{var}_PORT": self.port(role), f"{var}_ADDR_FILE": files.addr(role)})
-        urls = {role: ShellVar(f"{role_var(role)}_URL") for role in self.server_roles}
         values.update({"TRAINER_SBATCH": self.sbatch_args(TRAINER), "TRAINER_SRUN": self.srun_args(TRAINER),
                        "TRAINER_CMD": shell_join(self.trainer_command(node, head, urls))})
         return "\n".join(f"{k}=({' '.join(map(shlex.quote, v))})" if isinstance(v, list) else f"{k}={shlex.quote(str(v))}"
                          for k, v in values.items()) + "\n"
 
+    def _job_placeholders(self) -> tuple:
+        """What only the job knows: its node rank, its first node, and the server URLs (for the trainer)."""
+        urls = {role: ShellVar(f"{role_var(role)}_URL") for role in self.server_roles}
+        return ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE"), urls
+
     def describe(self) -> str:
         """What a launch would submit, for humans (`--dry-run`)."""
         lines = [f"run directory {self.files.run_dir}: logs in {self.files.logs}/, status in {self.files.status}"]
-        node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")
-        urls = {role: ShellVar(f"{role_var(role)}_URL") for role in self.server_roles}
+        node, head, urls = self._job_placeholders()
         for role in self.roles:
             job = self.resources(role)
             what = (f"{job.num_processes} process(es)" if role == TRAINER

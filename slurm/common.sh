@@ -57,8 +57,16 @@ job_state() {
     echo "${state:-GONE}"
 }
 
-# job_alive ID: whether the job is still queued or running (squeue lists it).
-job_alive() { [[ -n $(squeue -h -j "$1" -o %T 2>/dev/null) ]]; }
+# job_alive ID: whether the job is still queued or running (squeue lists it). When squeue fails for another
+# reason than an unknown job id (a busy controller), the job counts as alive: a run is never cut short on a hiccup.
+job_alive() {
+    local out
+    if out=$(squeue -h -j "$1" -o %T 2>&1); then
+        [[ -n $out ]]
+    else
+        [[ $out != *"Invalid job id"* ]]
+    fi
+}
 
 # record MESSAGE: one line in the run's status log (as the Python launcher writes it) and on stderr.
 record() {

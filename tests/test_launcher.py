@@ -95,7 +95,7 @@ def test_dry_run_prints_both_jobs_and_submits_nothing(slurm_cluster, tiny_run):
         assert f"{role} job: 1 node(s)" in out and f"sbatch --job-name={name}-{role} --time=00:30:00" in out
         assert f"submitit parameters of the {role} job: {{'name': '{name}-{role}'" in out
     assert "-m open_r1_ext.serve --model-path" in out
-    assert "accelerate.commands.launch --cpu --num_machines 1 --num_processes 1" in out
+    assert "accelerate.commands.launch --cpu --dynamo_backend no --num_machines 1 --num_processes 1" in out
     assert '--server-url "$SERVER_URL" --ref-url "$REF_SERVER_URL"' in out
     assert not tiny_run.jobs() and not tiny_run.run_dir.exists()
 
@@ -114,9 +114,10 @@ def test_preempted_trainer_stops_training_and_requeues_a_fresh_task(tiny_model, 
     overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path}"]
     servers = [JobRef("server", "12", "slurm")]
     task = TrainerTask(SlurmPlan(load_recipe(RECIPE, overrides), overrides), servers)
-    task._process = subprocess.Popen(["sleep", "60"])
+    task._process, task._job_id = subprocess.Popen(["sleep", "60"]), "34"
     delayed = task.checkpoint()
-    assert task._process.poll() is not None  # training stopped; it resumes from output_dir's last checkpoint
+    assert task._process.wait(timeout=10) == -signal.SIGTERM  # training stops; it resumes from output_dir's last checkpoint
     requeued = pickle.loads(pickle.dumps(delayed.function))
     assert isinstance(requeued, TrainerTask) and requeued._process is None
     assert requeued.servers == servers and requeued.plan.recipe_args() == task.plan.recipe_args()
+    assert "trainer job 34: preempted or out of time; requeued" in (tmp_path / "status.log").read_text()

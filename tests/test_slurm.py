@@ -1,8 +1,9 @@
 """slurm/*.slurm on a real one-node SLURM cluster (tools/local_slurm.sh), and the plan they read (slurm_plan.py).
 
 End to end: `sbatch slurm/grpo.slurm` runs a server job and a trainer job on the tiny model, and nothing of the
-run is left in squeue afterwards; scancel of the server stops the trainer with an error naming it; an invalid
-recipe submits nothing. The plan tests need no cluster. `tests/test_launcher.py` imports the helpers below.
+run is left in squeue afterwards; scancel of the server, or a server that never comes up, stops the trainer with
+an error naming the server job; an invalid recipe submits nothing. The plan tests need no cluster.
+`tests/test_launcher.py` imports the helpers and fixtures below.
 """
 
 from __future__ import annotations
@@ -158,8 +159,8 @@ def test_sglang_servers_span_nodes_and_the_trainer_gets_both_urls(tiny_model):
                           "--dist-init-addr \"$HEAD_NODE\":30101 --enable-metrics")
     urls = {"server": "http://a:30000", "ref-server": "http://b:30001"}
     train = plan.trainer_command(1, "node-7", urls)
-    assert train[3:16] == ["--multi_gpu", "--num_machines", 2, "--num_processes", 16, "--machine_rank", 1,
-                           "--main_process_ip", "node-7", "--main_process_port", 29500, "--dynamo_backend", "no"]
+    assert train[3:16] == ["--multi_gpu", "--dynamo_backend", "no", "--num_machines", 2, "--num_processes", 16,
+                           "--machine_rank", 1, "--main_process_ip", "node-7", "--main_process_port", 29500]
     assert train[-4:] == ["--server-url", "http://a:30000", "--ref-url", "http://b:30001"]
 
 
@@ -227,6 +228,21 @@ def test_scancel_of_the_server_stops_the_trainer_with_an_error_naming_it(slurm_c
     assert failure in tiny_run.status()
     trainer_err = (tiny_run.run_dir / "logs" / f"trainer-{trainer}.err").read_text()
     assert failure in trainer_err and url in trainer_err.split(failure)[0]  # the trainer's own error names the URL
+
+
+def test_a_server_that_never_comes_up_fails_the_trainer_naming_the_server_job(slurm_cluster, tiny_run):
+    tiny_run.overrides.append("server.extra_args=[--no-such-flag]")
+    submitted = run_script("bash", "slurm/grpo.slurm", RECIPE, *tiny_run.set_args)
+    assert submitted.returncode == 0, submitted.stderr
+    ids = tiny_run.job_ids()
+    server, trainer = ids["SERVER_JOB"], ids["TRAINER_JOB"]
+    tiny_run.wait_for_no_jobs()
+    logs = tiny_run.run_dir / "logs"
+    assert "unrecognized arguments: --no-such-flag" in (logs / f"server-{server}.err").read_text()
+    assert slurm_state(server) == "FAILED" and slurm_state(trainer) == "FAILED"
+    assert (f"server job {server} ended (FAILED) before its server became healthy; see {logs}/server-{server}.err"
+            in (logs / f"trainer-{trainer}.err").read_text())
+    assert f"trainer job {trainer}: failed (exit 1); server job {server} (no URL yet) is no longer running" in tiny_run.status()
 
 
 def test_invalid_recipe_submits_nothing(slurm_cluster, tiny_run):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import random
@@ -316,6 +317,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         slots[prefix] = (engine, Batcher(engine, max_wait_ms=args.max_batch_wait_ms, max_batch_tokens=args.max_batch_tokens))
         logger.info("slot %s: %s (%s, %s)", prefix or "/", path, engine.dtype, engine.device)
     app = create_app(slots, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length)
+    # The hundreds of thousands of objects torch, transformers and FastAPI leave on the heap are permanent: keep the
+    # garbage collector from re-scanning them after every response (measured: ~90 ms of CPU per 32x256 request).
+    gc.collect()
+    gc.freeze()
     logger.info("serving on http://%s:%d", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 

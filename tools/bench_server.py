@@ -1,4 +1,4 @@
-"""Benchmark the built-in server against what a trainer would do without it; prints markdown tables.
+"""Benchmark the built-in server against what a trainer would do without it; prints a markdown table.
 
 Two measurements, each taken side by side in one run (a warm-up call of each side, then repeats that alternate
 which side goes first; medians are reported):
@@ -8,40 +8,37 @@ which side goes first; medians are reported):
    weights, then the log-softmax of each next token, as `ModelEngine.score` computes it), on a batch of
    32 sequences x 256 tokens. Reported as tokens/s; target: HTTP / in-process >= 0.85. Done on the tiny model
    and on the ~100M-parameter config (`make_tiny_model(size="100m")`). The warm-up checks both give the same
-   numbers. A second table splits the HTTP overhead (HTTP time - in-process time) into the pure-Python work of
-   the HTTP path, timed in this process on a request and a response of the real shape: request JSON and
-   validation, FastAPI's `jsonable_encoder` of the response, response JSON and tensors; and the server's batch
-   window (`--max-batch-wait-ms`), which every request waits out.
+   numbers. The server's batch window (`--max-batch-wait-ms`, 5 ms by default) is waited out by every request.
 2. Batched generation: 32 prompts sampled in one `client.generate` call against one request per prompt sent
    one after the other (what a naive client does), same sampling (seeded, temperature 1.0, `ignore_eos`, so
    every completion has the same length), on the tiny model. Reported in seconds; target: speedup >= 4.
 
 Both sides of a comparison run on the same machine and never at the same time (every call is synchronous),
-with the same torch thread count: torch's default, which the server subprocess uses too, or `--threads N` for
-both (it sets `OMP_NUM_THREADS`, which the server inherits). On a machine shared with other jobs, torch's
-multi-threaded kernels slow down erratically when one of their threads is descheduled: compare the load
-averages printed before and after. Models are built locally with `tools/make_tiny_model.py` into a temporary
-directory, or into `--model-dir` to reuse them across runs. The server runs without its `/ref` slot.
+with the same torch thread count: `--threads N` here and `--num-threads N` for the server; by default the
+server's own CPU default, half the cores (one on a 2-core machine). With more than one thread on a machine
+shared with other jobs, OpenMP's spin-waiting makes timings erratic (a thread spins while the one it waits for
+is descheduled): compare the load averages printed before and after. Models are built locally with
+`tools/make_tiny_model.py` into a temporary directory, or into `--model-dir` to reuse them across runs. The
+server runs without its `/ref` slot.
 
     python tools/bench_server.py [--quick] [--json FILE] [--model-dir DIR] [--threads N] [--max-batch-wait-ms MS]
 
 `--quick` (under a minute on 2 CPU cores) keeps every measurement but scores the 100M model on a batch of
 2 x 256 with fewer repeats (the table says which batch was used). `--json FILE` also writes every figure under
 a stable key: `ref_logprobs.{tiny,100m}.{inprocess_tokens_per_s,http_tokens_per_s,ratio,target,met}`,
-`ref_logprobs.{tiny,100m}.overhead.*_s`, `generate.tiny.{sequential_s,batched_s,ratio,target,met}`, and
-`machine.*` / `config.*`.
+`generate.tiny.{sequential_s,batched_s,ratio,target,met}`, the timed samples of each side
+(`*.baseline_samples_s`, `*.ours_samples_s`), and `machine.*` / `config.*`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -51,7 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
 
 from open_r1_ext.client import SGLangClient  # noqa: E402
-from open_r1_ext.protocol import GenerateReqInput, logprob_entries  # noqa: E402
 from open_r1_ext.server_process import BuiltinServer  # noqa: E402
 
 REF_TARGET = 0.85
@@ -101,14 +97,13 @@ class Row:
     target: float
     baseline_samples_s: list[float]
     ours_samples_s: list[float]
-    overhead_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def met(self) -> bool:
         return self.ratio >= self.target
 
     def figures(self) -> dict:
-        figures = {
+        return {
             f"{self.key}.{self.baseline_name}": self.baseline,
             f"{self.key}.{self.ours_name}": self.ours,
             f"{self.key}.ratio": self.ratio,
@@ -117,18 +112,12 @@ class Row:
             f"{self.key}.baseline_samples_s": self.baseline_samples_s,
             f"{self.key}.ours_samples_s": self.ours_samples_s,
         }
-        figures.update({f"{self.key}.overhead.{name}": value for name, value in self.overhead_s.items()})
-        return figures
 
 
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    return statistics.median(timed(fn) for _ in range(repeats))
 
 
 def alternate(baseline: Callable[[], object], ours: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
@@ -148,38 +137,7 @@ def in_process_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def http_overhead_parts(sequences: list[list[int]], logprobs: torch.Tensor, repeats: int) -> dict[str, float]:
-    """Seconds per call of the pure-Python work on the HTTP path, timed here on a request and a response of the
-    shape `ref_logprobs` sends and gets back (SGLang's `input_token_logprobs` triples, one per token)."""
-    from fastapi.encoders import jsonable_encoder
-
-    body = {"input_ids": sequences, "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-            "return_logprob": True, "logprob_start_len": 0}
-    response = [
-        {"text": "", "output_ids": [], "meta_info": {
-            "id": None, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(seq),
-            "completion_tokens": 0, "cached_tokens": 0, "weight_version": "default",
-            "input_token_logprobs": logprob_entries([None, *row.tolist()], seq), "output_token_logprobs": [],
-        }}
-        for seq, row in zip(sequences, logprobs)
-    ]
-    encoded = json.dumps(response)
-
-    def request_json_and_validation() -> None:
-        GenerateReqInput.model_validate(json.loads(json.dumps(body)))
-
-    def response_json_and_tensors() -> None:
-        json.dumps(response, separators=(",", ":"))
-        [torch.tensor([e[0] for e in r["meta_info"]["input_token_logprobs"][1:]]) for r in json.loads(encoded)]
-
-    return {
-        "request_json_and_validation_s": median_time(request_json_and_validation, repeats),
-        "response_jsonable_encoder_s": median_time(lambda: jsonable_encoder(response), repeats),
-        "response_json_and_tensors_s": median_time(response_json_and_tensors, repeats),
-    }
-
-
-def measure_ref_logprobs(client: SGLangClient, path: Path, setup: RefSetup, batch_wait_ms: float) -> Row:
+def measure_ref_logprobs(client: SGLangClient, path: Path, setup: RefSetup) -> Row:
     """Reference log-prob throughput: HTTP through the built-in server vs the same forward in-process."""
     from transformers import AutoModelForCausalLM
 
@@ -194,12 +152,8 @@ def measure_ref_logprobs(client: SGLangClient, path: Path, setup: RefSetup, batc
     def in_process() -> torch.Tensor:
         return in_process_logprobs(model, ids)
 
-    expected = in_process()
-    torch.testing.assert_close(torch.stack(over_http()), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.stack(over_http()), in_process(), atol=1e-4, rtol=0)
     local_s, http_s = alternate(in_process, over_http, setup.repeats)
-    overhead = http_overhead_parts(sequences, expected, setup.repeats)
-    overhead["batch_window_s"] = batch_wait_ms / 1000.0
-    overhead["measured_s"] = statistics.median(http_s) - statistics.median(local_s)
     tokens = setup.batch * setup.seq_len
     local_rate = tokens / statistics.median(local_s)
     http_rate = tokens / statistics.median(http_s)
@@ -216,7 +170,6 @@ def measure_ref_logprobs(client: SGLangClient, path: Path, setup: RefSetup, batc
         target=REF_TARGET,
         baseline_samples_s=local_s,
         ours_samples_s=http_s,
-        overhead_s=overhead,
     )
 
 
@@ -261,15 +214,16 @@ def measure_generation(client: SGLangClient, vocab_size: int, setup: GenerateSet
     )
 
 
-def run(models_root: Path, quick: bool, batch_wait_ms: float) -> list[Row]:
+def run(models_root: Path, quick: bool, threads: int, batch_wait_ms: float) -> list[Row]:
     """Every measurement, model by model, each model served by its own built-in server subprocess."""
-    server_args = ("--dtype", "float32", "--no-ref-slot", "--max-batch-wait-ms", str(batch_wait_ms))
+    server_args = ("--dtype", "float32", "--no-ref-slot", "--num-threads", str(threads),
+                   "--max-batch-wait-ms", str(batch_wait_ms))
     rows = []
     for setup in QUICK_REF if quick else FULL_REF:
         path = model_dir(models_root, setup.size)
         with BuiltinServer(str(path), extra_args=server_args) as server:
             client = SGLangClient(server.url, max_retries=0)
-            rows.append(measure_ref_logprobs(client, path, setup, batch_wait_ms))
+            rows.append(measure_ref_logprobs(client, path, setup))
             if setup.size == "tiny":
                 vocab_size = client.model_info()["vocab_size"]
                 rows.append(measure_generation(client, vocab_size, QUICK_GENERATE if quick else FULL_GENERATE))
@@ -288,26 +242,13 @@ def results_table(rows: list[Row]) -> str:
     )
 
 
-def overhead_table(rows: list[Row]) -> str:
-    def ms(seconds: float) -> str:
-        return f"{seconds * 1000:.1f}"
-
-    return markdown_table(
-        ("model", "in-process (ms)", "HTTP (ms)", "HTTP - in-process (ms)", "request JSON + validation (ms)",
-         "response jsonable_encoder (ms)", "response JSON + tensors (ms)", "batch window (ms)"),
-        [(r.model, ms(statistics.median(r.baseline_samples_s)), ms(statistics.median(r.ours_samples_s)),
-          ms(r.overhead_s["measured_s"]), ms(r.overhead_s["request_json_and_validation_s"]),
-          ms(r.overhead_s["response_jsonable_encoder_s"]), ms(r.overhead_s["response_json_and_tensors_s"]),
-          ms(r.overhead_s["batch_window_s"])) for r in rows if r.overhead_s],
-    )
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="finish in under a minute (smaller 100M batch, fewer repeats)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     parser.add_argument("--model-dir", type=Path, default=None, help="build the models here (and reuse them) instead of a temp dir")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads here and in the server (default: torch's)")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="torch threads here and in the server (default: the server's, half the cores: %(default)s)")
     parser.add_argument("--max-batch-wait-ms", type=float, default=DEFAULT_BATCH_WAIT_MS,
                         help="the server's batch window (default: its default, %(default)s)")
     return parser.parse_args(argv)
@@ -316,29 +257,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
-    if args.threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the server subprocess's torch at start-up
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     facts = machine_facts(args.quick)
     if args.model_dir is not None:
-        rows = run(args.model_dir, args.quick, args.max_batch_wait_ms)
+        rows = run(args.model_dir, args.quick, args.threads, args.max_batch_wait_ms)
     else:
         with tempfile.TemporaryDirectory(prefix="bench_server-") as tmp:
-            rows = run(Path(tmp), args.quick, args.max_batch_wait_ms)
+            rows = run(Path(tmp), args.quick, args.threads, args.max_batch_wait_ms)
     facts.update({
         "machine.load_average_1m_end": os.getloadavg()[0],
         "config.max_batch_wait_ms": args.max_batch_wait_ms,
         "wall_s": time.perf_counter() - started,
     })
 
-    print(header(facts) + f", at end: {facts['machine.load_average_1m_end']:.2f}; "
-          f"server --max-batch-wait-ms {facts['config.max_batch_wait_ms']:g}; wall time: {facts['wall_s']:.1f} s")
+    print(header(facts))
+    print(f"load average at end: {facts['machine.load_average_1m_end']:.2f}; same torch threads in the server; "
+          f"server --max-batch-wait-ms "
+          f"{facts['config.max_batch_wait_ms']:g}; wall time: {facts['wall_s']:.1f} s")
     print()
     print(results_table(rows))
-    print()
-    print("Where the HTTP time goes (per call; the parts are timed in this process on the real payloads):")
-    print()
-    print(overhead_table(rows))
     if args.json is not None:
         figures = dict(facts)
         for row in rows:

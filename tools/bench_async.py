@@ -3,7 +3,9 @@
 The trainer (this process) and a built-in server (a subprocess) each get one CPU thread, so on a 2-core machine
 generation and training can really overlap, as they do on separate allocations of a cluster. Completions are
 long enough that generation and training are comparable shares of a sync step (the table shows both shares).
-Target: async / sync <= 0.65, i.e. close to max(generation, training) rather than their sum.
+Target: async / sync <= 0.65, i.e. close to max(generation, training) rather than their sum. Overlap needs two
+cores that really compute in parallel, so the run also measures how much faster two single-threaded CPU-bound
+processes finish together than one after the other, and prints the best ratio this machine allows.
 
     python tools/bench_async.py [--quick] [--json FILE]
 """
@@ -66,6 +68,25 @@ def measure(model: Path, url: str, out: Path, async_generation: bool, steps: int
     return {"seconds_per_step": statistics.median(per_step), "generation_wait": statistics.median(waits[2:])}
 
 
+def _spin(_) -> float:
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+    start = time.perf_counter()
+    for _ in range(300):
+        a @ a
+    return time.perf_counter() - start
+
+
+def parallel_speedup() -> float:
+    """(2 x one job alone) / (two jobs at once): 2.0 on two free cores, 1.0 when they time-share one."""
+    import multiprocessing
+
+    alone = _spin(0)
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        together = max(pool.map(_spin, [0, 1]))
+    return 2 * alone / together
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (under a minute)")
@@ -75,6 +96,7 @@ def main() -> None:
     torch.set_num_threads(1)
     steps = 6 if args.quick else 14
     facts = machine_facts(args.quick)
+    speedup = parallel_speedup()
 
     from open_r1_ext.client import SGLangClient
     from open_r1_ext.server_process import BuiltinServer
@@ -90,7 +112,11 @@ def main() -> None:
     sync, overlapped = results["sync"]["seconds_per_step"], results["async"]["seconds_per_step"]
     gen_share = results["sync"]["generation_wait"] / sync
     ratio = overlapped / sync
+    # perfect overlap on this machine: the longer phase, or both phases' work spread over `speedup` cores
+    best = max(gen_share, 1 - gen_share, 1 / speedup)
     figures = {
+        "async.machine_parallel_speedup": speedup,
+        "async.best_ratio_on_this_machine": best,
         "async.sync_seconds_per_step": sync,
         "async.async_seconds_per_step": overlapped,
         "async.sync_generation_share": gen_share,
@@ -99,9 +125,12 @@ def main() -> None:
     print(header(facts))
     print(f"tiny model, 16 completions x {args.completion_length} tokens per step, {steps} steps per mode; "
           f"sync step = {gen_share:.0%} generation, {1 - gen_share:.0%} training")
+    print(f"two single-threaded CPU-bound processes run {speedup:.2f}x as fast as one after the other here, so perfect "
+          f"overlap could reach a ratio of {best:.2f} on this machine")
     print(markdown_table(
-        ["measurement", "sync", "async", "ratio", "target", "met"],
-        [["seconds per step", f"{sync:.3f}", f"{overlapped:.3f}", f"{ratio:.2f}", f"<= {TARGET}", verdict(ratio <= TARGET)]],
+        ["measurement", "sync", "async", "ratio", "best possible here", "target", "met"],
+        [["seconds per step", f"{sync:.3f}", f"{overlapped:.3f}", f"{ratio:.2f}", f"{best:.2f}", f"<= {TARGET}",
+          verdict(ratio <= TARGET)]],
     ))
     if args.json:
         write_json(Path(args.json), {**facts, **figures})

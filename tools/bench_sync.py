@@ -6,16 +6,18 @@ Side by side in one run, on the same float32 state dict of the ~100M-parameter m
   (the server copies into its parameters too);
 - ours: what `WeightSync._write` does, `write_weight_dir` around `save_pretrained(state_dict=...)` (each file
   fsynced, a sha256 manifest, one rename), then `/update_weights_from_disk` over HTTP on a built-in server holding
-  the same model (`--no-ref-slot`), which checks the manifest's checksums and copies into its parameters.
+  the same model (`--no-ref-slot`, this process's torch threads), which checks the manifest's checksums and
+  copies into its parameters.
 
-Target: ours / bare <= 1.3. Each part of ours is reported (save, fsync, sha256, reload, and the reload's sha256
-check timed here on the same files), with the throughput of other checksums on the dump, so a miss is explained.
+Target: ours / bare <= 1.3. Each part of ours is reported (save, fsync, sha256, reload; the reload's steps are
+replayed in this process on the same files to split it), with the throughput of other checksums on the dump and
+what-if ratios without each cost, so a miss is explained.
 The disk's sequential write bandwidth is measured in the same run (`dd bs=4M conv=fsync`-style, a file of the
 dump's size) and set against the dump's write throughput (bytes / (save + fsync)).
 
-Repeats alternate which side goes first; every timed phase starts after an untimed `sync`, so dirty pages of the
-previous phase are not written back inside it. Medians are reported. Dumps go to a temporary directory under
-/tmp, or under `--dir` (put it on the file system the dumps would use).
+Repeats alternate the order of the three (disk, bare, ours); every timed phase starts after an untimed `sync`, so
+dirty pages of the previous phase are not written back inside it. Medians are reported. Dumps go to a temporary
+directory under /tmp, or under `--dir` (put it on the file system the dumps would use).
 
     python tools/bench_sync.py [--quick] [--json FILE] [--dir DIR] [--model-dir DIR]
 
@@ -63,11 +65,13 @@ CHECKSUMS: dict[str, Callable[[], object]] = {
 
 @dataclass(frozen=True)
 class Setup:
+    """Which model's weights are synced, and how many alternating repeats the medians are taken over."""
+
     size: str
     repeats: int
 
 
-FULL = Setup(size="100m", repeats=3)
+FULL = Setup(size="100m", repeats=5)
 QUICK = Setup(size="tiny", repeats=2)
 
 
@@ -130,7 +134,8 @@ def bare(model, state: dict[str, torch.Tensor], work: Path) -> dict[str, float]:
 
 
 def ours(model, state: dict[str, torch.Tensor], work: Path, client: SGLangClient, rep: int) -> dict[str, float]:
-    """`write_weight_dir(save_pretrained)` + the server's reload over HTTP; then the manifest check, timed here."""
+    """`write_weight_dir(save_pretrained)` + the server's reload over HTTP; then the reload's steps replayed here
+    (manifest check, load, copy), untimed in the total, to show what the server spent its time on."""
     watch, directory = Stopwatch(), work / f"step-{rep}"
     save = watch.wrap("save_pretrained", model.save_pretrained)
     os.sync()
@@ -139,13 +144,19 @@ def ours(model, state: dict[str, torch.Tensor], work: Path, client: SGLangClient
     os.sync()
     with watch.part("reload"):
         client.update_weights_from_disk(str(directory), weight_version=f"bench-{rep}")
-    with watch.part("verify_sha256"):  # what the server did first in its reload; not counted twice
+    with watch.part("replay_verify"):
         weight_files.check_manifest(directory)
+    with watch.part("replay_load"):
+        tensors = {k: v for shard in weight_files.safetensors_files(directory) for k, v in load_file(str(shard)).items()}
+    with watch.part("replay_copy"):
+        copy_into(model, tensors)
     shutil.rmtree(directory)
     s = watch.seconds
+    replay = s["replay_verify"] + s["replay_load"] + s["replay_copy"]
     return {"save_pretrained": s["save_pretrained"], "fsync": s["_fsync"], "sha256": s["sha256_of"],
             "other": s["dump"] - s["save_pretrained"] - s["_fsync"] - s["sha256_of"], "dump": s["dump"],
-            "reload": s["reload"], "verify_sha256": s["verify_sha256"], "total": s["dump"] + s["reload"]}
+            "reload": s["reload"], "verify_sha256": s["replay_verify"], "reload_load": s["replay_load"],
+            "reload_copy": s["replay_copy"], "reload_rest": s["reload"] - replay, "total": s["dump"] + s["reload"]}
 
 
 def disk_write_bandwidth(work: Path, size: int) -> float:
@@ -192,12 +203,12 @@ def measure(models_root: Path, work: Path, setup: Setup) -> dict:
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     dump_bytes = sum(t.numel() * t.element_size() for t in state.values())
     runs: dict[str, list[dict]] = {"bare": [], "ours": [], "disk": []}
-    with BuiltinServer(str(path), extra_args=("--no-ref-slot", "--dtype", "float32"),
-                       log_path=str(work / "server.log")) as server:
+    server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", str(torch.get_num_threads()))
+    with BuiltinServer(str(path), extra_args=server_args, log_path=str(work / "server.log")) as server:
         client = SGLangClient(server.url, max_retries=0)
         for rep in range(setup.repeats):
-            runs["disk"].append({"bytes_per_s": disk_write_bandwidth(work, dump_bytes)})
-            sides = [("bare", lambda: bare(model, state, work)), ("ours", lambda: ours(model, state, work, client, rep))]
+            sides = [("disk", lambda: {"bytes_per_s": disk_write_bandwidth(work, dump_bytes)}),
+                     ("bare", lambda: bare(model, state, work)), ("ours", lambda: ours(model, state, work, client, rep))]
             for name, side in sides if rep % 2 == 0 else sides[::-1]:
                 runs[name].append(side())
     return summarize(runs, checksum_throughputs(work, state), dump_bytes, setup)
@@ -211,9 +222,15 @@ def summarize(runs: dict[str, list[dict]], checksums: dict[str, float], dump_byt
         figures[f"sync.{side}.total_samples_s"] = [r["total"] for r in runs[side]]
     ours_s, bare_s = figures["sync.ours.total_s"], figures["sync.bare.total_s"]
     disk = statistics.median(r["bytes_per_s"] for r in runs["disk"])
-    dump_write = dump_bytes / (figures["sync.ours.save_pretrained_s"] + figures["sync.ours.fsync_s"])
-    checksum_s = figures["sync.ours.sha256_s"] + figures["sync.ours.verify_sha256_s"]  # at dump + at reload
-    xxh3_s = 2 * dump_bytes / checksums["xxh3_128"]
+    dump_write = statistics.median(dump_bytes / (r["save_pretrained"] + r["fsync"]) for r in runs["ours"])
+    xxh3_s = 2 * dump_bytes / checksums["xxh3_128"]  # at dump + at reload, timed on the same file
+
+    def what_if(less_fsync: bool, checksum_s: Optional[float]) -> float:
+        """ours / bare with each repeat's fsync and/or its two sha256 passes taken out (replaced by `checksum_s`)."""
+        totals = [r["total"] - (r["fsync"] if less_fsync else 0.0)
+                  - (0.0 if checksum_s is None else r["sha256"] + r["verify_sha256"] - checksum_s) for r in runs["ours"]]
+        return statistics.median(totals) / bare_s
+
     figures.update({
         "sync.ratio": ours_s / bare_s,
         "sync.target": RATIO_TARGET,
@@ -221,9 +238,10 @@ def summarize(runs: dict[str, list[dict]], checksums: dict[str, float], dump_byt
         "sync.disk.write_bytes_per_s": disk,
         "sync.dump_write_bytes_per_s": dump_write,
         "sync.dump_write_vs_disk": dump_write / disk,
-        "sync.ratio_without_checksums": (ours_s - checksum_s) / bare_s,
-        "sync.ratio_with_xxh3": (ours_s - checksum_s + xxh3_s) / bare_s,
-        "sync.ratio_without_fsync": (ours_s - figures["sync.ours.fsync_s"]) / bare_s,
+        "sync.ratio_with_xxh3": what_if(False, xxh3_s),
+        "sync.ratio_without_fsync": what_if(True, None),
+        "sync.ratio_with_xxh3_without_fsync": what_if(True, xxh3_s),
+        "sync.ratio_without_fsync_and_checksums": what_if(True, 0.0),
     })
     figures.update({f"sync.checksum.{name}_bytes_per_s": rate for name, rate in checksums.items()})
     return figures
@@ -234,7 +252,7 @@ def tables(f: dict) -> str:
     main = markdown_table(
         ("measurement", "bare safetensors", "ours (dump + reload)", "ratio", "target", "met"),
         [
-            (f"save/dump + load/reload of {f['sync.dump_bytes'] / MB:,.0f} MB, s (median of {n})",
+            (f"save/dump + load/reload of {f['sync.dump_bytes'] / MB:,.1f} MB, s (median of {n})",
              f"{f['sync.bare.total_s']:.3f} s", f"{ours_s:.3f} s", f"{f['sync.ratio']:.2f}", f"<= {RATIO_TARGET:g}",
              verdict(f["sync.met"])),
             ("write throughput, MB/s: disk (4 MiB blocks + fsync) vs dump (save + fsync)",
@@ -248,20 +266,24 @@ def tables(f: dict) -> str:
         ("ours", "sha256 of every file for the manifest", "sha256"),
         ("ours", "the rest: marker, manifest, rename", "other"),
         ("ours", "reload over HTTP (server: sha256 check, load, copy)", "reload"),
-        ("ours", "... of which the sha256 check (same check timed here)", "verify_sha256"),
+        ("ours", "... its sha256 check (replayed here on the same files)", "verify_sha256"),
+        ("ours", "... its load_file (replayed here)", "reload_load"),
+        ("ours", "... its copy into the parameters (replayed here)", "reload_copy"),
+        ("ours", "... the rest: HTTP, queueing (a median of differences: < 0 is noise)", "reload_rest"),
         ("bare", "save_file", "save"),
         ("bare", "load_file", "load"),
         ("bare", "copy into the parameters", "copy"),
     ]
     components = markdown_table(
-        ("side", "component", "seconds", "share of ours"),
+        ("side", "component", "seconds (median)", "share of ours' total"),
         [(side, what, f"{f[f'sync.{side}.{key}_s']:.3f}", f"{f[f'sync.{side}.{key}_s'] / ours_s:.0%}")
          for side, what, key in parts],
     )
     rates = ", ".join(f"{name} {f[f'sync.checksum.{name}_bytes_per_s'] / MB:,.0f}" for name in CHECKSUMS)
-    what_if = (f"checksum throughput on the dump, MB/s: {rates}. Ratio without the two sha256 passes: "
-               f"{f['sync.ratio_without_checksums']:.2f}; with xxh3_128 instead: {f['sync.ratio_with_xxh3']:.2f}; "
-               f"without fsync: {f['sync.ratio_without_fsync']:.2f}.")
+    what_if = (f"Checksum throughput on the dump, MB/s: {rates}. What-if ratios (ours / bare): xxh3_128 instead of "
+               f"the two sha256 passes {f['sync.ratio_with_xxh3']:.2f}; no fsync {f['sync.ratio_without_fsync']:.2f}; "
+               f"xxh3_128 and no fsync {f['sync.ratio_with_xxh3_without_fsync']:.2f}; neither fsync nor checksums "
+               f"{f['sync.ratio_without_fsync_and_checksums']:.2f}.")
     return f"{main}\n\n{components}\n\n{what_if}"
 
 
@@ -269,8 +291,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, two repeats (under a minute)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and ratio to this file")
-    parser.add_argument("--dir", type=Path, default=None, help="write the dumps under this directory (default: a temp dir in /tmp)")
-    parser.add_argument("--model-dir", type=Path, default=None, help="build the model here (and reuse it) instead of a temp dir")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="write the dumps under this directory (default: a temp dir in /tmp)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="build the model here (and reuse it) instead of a temp dir")
     return parser.parse_args(argv)
 
 
@@ -282,11 +306,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_sync-", dir=args.dir) as tmp:
         work = Path(tmp)
         figures = measure(args.model_dir or work, work, setup)
-    facts["wall_s"] = time.perf_counter() - started
+    facts.update({"machine.load_average_1m_end": os.getloadavg()[0], "wall_s": time.perf_counter() - started})
     figures.update(facts)
     figures["config.dir"] = str(args.dir or tempfile.gettempdir())
 
-    print(header(facts) + f"; wall time: {facts['wall_s']:.1f} s")
+    print(header(facts) + f", at end: {facts['machine.load_average_1m_end']:.2f}; wall time: {facts['wall_s']:.1f} s")
     print(f"model: {setup.size}; dumps under {figures['config.dir']}; {setup.repeats} repeats, alternating; "
           "server: built-in, --no-ref-slot, float32")
     print()

@@ -11,13 +11,14 @@ reference differs; float32 on CPU, bf16 off):
 2. Seconds per step, remote / stock, mean over the steps after the first (warm-up). Target <= 1.1. The server
    computes the reference pass on the same cores while the trainer waits for it: that is part of the honest cost.
 
-Both children run with the same torch thread count (`--threads`, default: the number of cores); runs alternate
-stock/remote across repeats and the table gives medians. The model is built with `tools/make_tiny_model.py`
-(`size="100m"`, ~104M parameters) into a temporary directory, or into `--model-dir` to reuse it.
+Both children, and the server's reference pass, run with the same torch thread count (`--threads`, default: the
+number of cores); runs alternate stock/remote across repeats and the table gives medians (and, as a cross-check
+robust to load spikes from other work on the machine, the median of all timed steps). The model is built with
+`tools/make_tiny_model.py` (`size="100m"`, ~104M parameters) into a temporary directory, or into `--model-dir`.
 
     python tools/bench_trainer.py [--quick] [--json FILE] [--model-dir DIR] [--threads N]
 
-`--quick` (under a minute on 2 CPU cores) runs the tiny model, 3 steps, one run each: it checks the harness, and
+`--quick` (under a minute on 2 CPU cores) runs the tiny model, 2 steps, one run each: it checks the harness, and
 its RSS saving is within noise (the tiny reference is ~0.4 MB). `--json FILE` also writes every figure under a
 stable key, e.g. `trainer.rss_saving_fraction` or `trainer.seconds_per_step_ratio`.
 """
@@ -57,8 +58,8 @@ class Setup:
     completion_len: int = 16
 
 
-FULL = Setup(size="100m", steps=6, repeats=2)
-QUICK = Setup(size="tiny", steps=3, repeats=1)
+FULL = Setup(size="100m", steps=8, repeats=2)
+QUICK = Setup(size="tiny", steps=2, repeats=1)
 
 
 # ------------------------------------------------------------------ child: one training run in a fresh process
@@ -100,7 +101,8 @@ def child(kind: str, model: str, setup: Setup, threads: int, output_dir: Path, r
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(64)])
     settings = train_settings(output_dir, setup)
     if kind == "stock":
-        trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=GRPOConfig(**settings), train_dataset=dataset)
+        args = GRPOConfig(**settings)
+        trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset)
         reference_bytes = sum(p.numel() * p.element_size() for p in trainer.ref_model.parameters())
     else:
         args = RemoteGRPOConfig(**settings, ref_model_url=ref_url)
@@ -134,17 +136,17 @@ def run_child(kind: str, model: Path, setup: Setup, threads: int, output_dir: Pa
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(root: Path, setup: Setup, threads: int) -> dict:
+def measure(models_root: Path, work: Path, setup: Setup, threads: int) -> dict:
     """Alternate stock and remote runs (stock first on even repeats) against one built-in server."""
     from open_r1_ext.server_process import BuiltinServer
 
-    path = model_dir(root, setup.size)
+    path = model_dir(models_root, setup.size)
     runs: dict[str, list[dict]] = {"stock": [], "remote": []}
-    server_args = ("--no-ref-slot", "--dtype", "float32")
-    with BuiltinServer(str(path), extra_args=server_args, log_path=str(root / "server.log")) as server:
+    server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", str(threads))
+    with BuiltinServer(str(path), extra_args=server_args, log_path=str(work / "server.log")) as server:
         for rep in range(setup.repeats):
             for kind in ("stock", "remote") if rep % 2 == 0 else ("remote", "stock"):
-                runs[kind].append(run_child(kind, path, setup, threads, root / f"{kind}-{rep}", server.url))
+                runs[kind].append(run_child(kind, path, setup, threads, work / f"{kind}-{rep}", server.url))
     return summarize(runs, setup)
 
 
@@ -158,6 +160,8 @@ def summarize(runs: dict[str, list[dict]], setup: Setup) -> dict:
         figures[f"trainer.{kind}.peak_rss_bytes"] = statistics.median(r["peak_rss_bytes"] for r in results)
         figures[f"trainer.{kind}.rss_after_init_bytes"] = statistics.median(r["rss_after_init_bytes"] for r in results)
         figures[f"trainer.{kind}.seconds_per_step"] = statistics.median(per_run)
+        timed_steps = [t for r in results for t in r["step_seconds"][1:]]
+        figures[f"trainer.{kind}.median_step_seconds"] = statistics.median(timed_steps)
         figures[f"trainer.{kind}.step_seconds"] = [r["step_seconds"] for r in results]
     reference = runs["stock"][0]["reference_param_bytes"]
     saving = figures["trainer.stock.peak_rss_bytes"] - figures["trainer.remote.peak_rss_bytes"]
@@ -171,6 +175,8 @@ def summarize(runs: dict[str, list[dict]], setup: Setup) -> dict:
         "trainer.seconds_per_step_ratio": ratio,
         "trainer.seconds_per_step_target": STEP_TIME_TARGET,
         "trainer.seconds_per_step_met": ratio <= STEP_TIME_TARGET,
+        "trainer.median_step_ratio": (figures["trainer.remote.median_step_seconds"]
+                                      / figures["trainer.stock.median_step_seconds"]),
         "trainer.loss_max_abs_diff": max(abs(a - b) for s, r in zip(runs["stock"], runs["remote"])
                                          for a, b in zip(s["losses"], r["losses"])),
     })
@@ -182,26 +188,32 @@ def table(f: dict) -> str:
     reference = f["trainer.reference_param_bytes"]
     init_saving = f["trainer.stock.rss_after_init_bytes"] - f["trainer.remote.rss_after_init_bytes"]
     rows = [
-        ("peak RSS of the trainer process (VmHWM)", mib("trainer.stock.peak_rss_bytes"), mib("trainer.remote.peak_rss_bytes"),
+        ("peak RSS of the trainer process (VmHWM)", mib("trainer.stock.peak_rss_bytes"),
+         mib("trainer.remote.peak_rss_bytes"),
          f"saving {f['trainer.rss_saving_bytes'] / MIB:,.0f} MiB = {f['trainer.rss_saving_fraction']:.2f} x reference "
          f"params ({reference / MIB:,.0f} MiB)", f">= {SAVING_TARGET:g} x reference params",
          verdict(f["trainer.rss_saving_met"])),
-        ("RSS after trainer init, before step 1", mib("trainer.stock.rss_after_init_bytes"),
-         mib("trainer.remote.rss_after_init_bytes"), f"saving {init_saving / MIB:,.0f} MiB = {init_saving / reference:.2f} x",
-         "-", "-"),
+        ("RSS after trainer init, before step 1 (weights are mmapped, paged in at first use)",
+         mib("trainer.stock.rss_after_init_bytes"), mib("trainer.remote.rss_after_init_bytes"),
+         f"saving {init_saving / MIB:,.0f} MiB = {init_saving / reference:.2f} x", "-", "-"),
         (f"seconds per step (mean of steps 2..{f['trainer.steps']})", f"{f['trainer.stock.seconds_per_step']:.3f} s",
          f"{f['trainer.remote.seconds_per_step']:.3f} s", f"remote / stock {f['trainer.seconds_per_step_ratio']:.3f}",
          f"<= {STEP_TIME_TARGET:g}", verdict(f["trainer.seconds_per_step_met"])),
+        ("median seconds of one step (steps 2.., all runs): robust to load spikes",
+         f"{f['trainer.stock.median_step_seconds']:.3f} s", f"{f['trainer.remote.median_step_seconds']:.3f} s",
+         f"remote / stock {f['trainer.median_step_ratio']:.3f}", "-", "-"),
     ]
     return markdown_table(("measurement", "stock (local ref)", "remote ref", "ratio / saving", "target", "met"), rows)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, one run each (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, one run each (under a minute)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and ratio to this file")
-    parser.add_argument("--model-dir", type=Path, default=None, help="build the model here (and reuse it) instead of a temp dir")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of both trainer runs")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="build the model here (and reuse it) instead of a temp dir")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="torch threads of both trainer runs and of the server")
     child_args = parser.add_argument_group("internal: one training run (started by the benchmark itself)")
     child_args.add_argument("--child", choices=("stock", "remote"), default=None)
     child_args.add_argument("--setup", type=lambda text: Setup(**json.loads(text)), default=None)
@@ -219,20 +231,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     started = time.perf_counter()
     facts = machine_facts(args.quick)
     setup = QUICK if args.quick else FULL
-    if args.model_dir is not None:
-        figures = measure(args.model_dir, setup, args.threads)
-    else:
-        with tempfile.TemporaryDirectory(prefix="bench_trainer-") as tmp:
-            figures = measure(Path(tmp), setup, args.threads)
-    facts["wall_s"] = time.perf_counter() - started
+    with tempfile.TemporaryDirectory(prefix="bench_trainer-") as tmp:
+        figures = measure(args.model_dir or Path(tmp), Path(tmp), setup, args.threads)
+    facts.update({"machine.load_average_1m_end": os.getloadavg()[0], "wall_s": time.perf_counter() - started})
     figures.update(facts)
 
-    print(header(facts) + f"; wall time: {facts['wall_s']:.1f} s")
-    print(f"model: {setup.size} ({figures['trainer.reference_param_bytes'] / MIB:,.0f} MiB of float32 parameters); "
+    print(header(facts) + f", at end: {facts['machine.load_average_1m_end']:.2f}; wall time: {facts['wall_s']:.1f} s")
+    print(f"model: {setup.size} ({figures['trainer.reference_param_bytes'] / MIB:,.1f} MiB of float32 parameters); "
           f"{setup.steps} steps per run (first = warm-up), {setup.repeats} run(s) of each, alternating; "
           f"{setup.batch // setup.generations} prompts x {setup.generations} completions of <= {setup.completion_len} "
-          f"tokens per step, beta 0.04, local generation; torch threads per trainer: {figures['trainer.torch_threads']}; "
-          f"reference server: built-in, --no-ref-slot, not counted in RSS; "
+          f"tokens per step, beta 0.04, local generation; torch threads per trainer and server: "
+          f"{figures['trainer.torch_threads']}; reference server: built-in, --no-ref-slot, not counted in RSS; "
           f"losses stock vs remote differ by <= {figures['trainer.loss_max_abs_diff']:.1e}")
     print()
     print(table(figures))

@@ -66,3 +66,10 @@ def test_bench_server_quick_writes_json(tmp_path):
     assert_finite_positive(figures, [*ref, "generate.tiny.ratio", "generate.tiny.sequential_s", "generate.tiny.batched_s",
                                      "generate.tiny.target", "machine.cpu_cores"])
     assert all(isinstance(figures[f"{key}.met"], bool) for key in ("ref_logprobs.tiny", "ref_logprobs.100m", "generate.tiny"))
+
+
+def test_bench_async_quick_writes_json(tmp_path):
+    figures = run_quick_bench("bench_async.py", tmp_path / "async.json")
+    assert_finite_positive(figures, ["async.sync_seconds_per_step", "async.async_seconds_per_step", "async.ratio",
+                                     "async.sync_generation_share", "async.machine_parallel_speedup",
+                                     "async.best_ratio_on_this_machine", "machine.cpu_cores"])

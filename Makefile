@@ -23,7 +23,7 @@ $(TINY_MODEL)/config.json: tools/make_tiny_model.py tools/data/tiny_corpus.txt |
 demo: venv tiny-model
 	$(PY) -m open_r1_ext.train --config recipes/tiny/grpo.yaml --set trainer.output_dir=runs/demo
 
-test: venv
+test: venv tiny-model
 	$(PY) -m pytest -q tests
 
 clean:

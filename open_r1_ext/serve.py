@@ -29,6 +29,7 @@ from .engine import DTYPES, GenerationTask, ModelEngine
 from .protocol import (
     CompletionRequest,
     GenerateReqInput,
+    SamplingParams,
     UpdateWeightFromDiskReqInput,
     error_body,
     finish_reason,
@@ -38,6 +39,7 @@ from .weight_files import WeightFileError
 
 logger = logging.getLogger("open_r1_ext.serve")
 HEALTH_TIMEOUT_S = 20.0
+HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)  # /health_generate: one greedy token
 LOAD_FORMATS = (None, "auto", "safetensors")
 
 
@@ -95,7 +97,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        task = GenerationTask(prompt=[0], params=_greedy_one_token(), seed=0)
+        task = GenerationTask(prompt=[0], params=HEALTH_SAMPLING, seed=0)
         try:
             await asyncio.wait_for(asyncio.wrap_future(batcher.generate([task])), HEALTH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - any failure means unhealthy
@@ -218,12 +220,6 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                 "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": usage}}
 
     return app
-
-
-def _greedy_one_token():
-    from .protocol import SamplingParams
-
-    return SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
 def _check_prompts(prompts, sampling, starts, vocab_size: int, max_len: int) -> None:

@@ -217,16 +217,21 @@ class RemoteGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------ weight sync
     def sync_weights(self, targets: list[SyncTarget]) -> None:
         """Dump the policy and have `targets` reload it (every rank calls this); stop on failure unless the
-        generation weights stay within `max_weight_staleness` steps. With async generation the reload is queued
-        on the rollout thread, between two generation batches."""
+        generation weights stay within `max_weight_staleness` steps. With async generation the generation server's
+        reload is queued on the rollout thread, between two generation batches; the reference's is done now, so
+        the next step's reference log-probs come from the new reference."""
         step = self.state.global_step
         if self.rollouts is not None:
             path, error = self.weight_sync.dump(self.model, step)
             if error is not None:
                 raise WeightSyncError(error)
-            self.weight_sync.share_state(targets)
-            if self.accelerator.is_main_process:
-                self.rollouts.submit(lambda: self._push_logged(targets, path, step))
+            generation = [t for t in targets if t.role == "generation"]
+            reference = [t for t in targets if t.role != "generation"]
+            if reference and (error := self.weight_sync.publish(reference, path, step)) is not None:
+                raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
+            self.weight_sync.share_state(generation)
+            if generation and self.accelerator.is_main_process:
+                self.rollouts.submit(lambda: self._push_logged(generation, path, step))
             return
         error = self.weight_sync.sync(self.model, step, targets)
         if error is None:
@@ -301,7 +306,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
 
     def train(self, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
         except ServerError as err:
             checkpoint = self._save_resumable_checkpoint()
             err.args = (
@@ -313,6 +318,12 @@ class RemoteGRPOTrainer(GRPOTrainer):
             if self.rollouts is not None:
                 self.rollouts.shutdown()
                 self.rollouts, self._lookahead = None, None
+        self.weight_sync.wait_durable()  # the last dumps on disk and their syncs logged before train() returns
+        return result
+
+    def _save_checkpoint(self, model, trial):
+        self.weight_sync.wait_durable()  # a checkpoint never runs ahead of the weight-sync log its resume reads
+        return super()._save_checkpoint(model, trial)
 
     def _save_resumable_checkpoint(self) -> Optional[str]:
         try:

@@ -45,14 +45,15 @@ def test_bench_trainer_quick_writes_json(tmp_path):
 
 def test_bench_sync_quick_writes_json(tmp_path):
     figures = run_quick_bench("bench_sync.py", tmp_path / "sync.json")
-    parts = ["save_pretrained", "fsync", "sha256", "dump", "reload", "verify_sha256", "reload_load", "reload_copy", "total"]
+    parts = ["save_pretrained", "dump", "reload", "reload_load", "reload_copy", "total", "seal", "checksum", "fsync",
+             "sealed_after"]
     assert_finite_positive(figures, [
         "sync.dump_bytes", "sync.ratio", "sync.target",
         *(f"sync.ours.{part}_s" for part in parts),
         *(f"sync.bare.{part}_s" for part in ("save", "load", "copy", "total")),
         "sync.disk.write_bytes_per_s", "sync.dump_write_bytes_per_s", "sync.dump_write_vs_disk",
-        "sync.ratio_with_xxh3", "sync.ratio_without_fsync", "sync.ratio_with_xxh3_without_fsync",
-        "sync.ratio_without_fsync_and_checksums",
+        "sync.ratio_with_checksums_before_rename", "sync.ratio_with_seal_before_rename",
+        "sync.ratio_with_sha256_before_rename",
         "sync.checksum.sha256_bytes_per_s", "sync.checksum.xxh3_128_bytes_per_s",
         "machine.cpu_cores",
     ])

@@ -1,10 +1,14 @@
 """Weight sync against a real built-in server: exact reloads, atomic dumps, pruning, reference sync schedule."""
 
+import errno
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +17,8 @@ from transformers import TrainerCallback
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.client import SGLangClient, ServerRequestError
 from open_r1_ext.config import RemoteGRPOConfig
-from open_r1_ext.weight_sync import epochs_crossed
+from open_r1_ext.weight_files import check_manifest, seal_weight_dir, write_weight_dir
+from open_r1_ext.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
 from trainer_helpers import model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 FIXED_BATCH = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -76,9 +81,6 @@ DUMPER = textwrap.dedent("""
 
 
 def test_dump_killed_half_way_is_never_loaded(tiny_model, server, tmp_path):
-    from open_r1_ext.weight_files import write_weight_dir
-    import shutil
-
     target = tmp_path / "step-7"
     proc = subprocess.Popen([sys.executable, "-c", DUMPER, str(target)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "half"
@@ -95,13 +97,75 @@ def test_dump_killed_half_way_is_never_loaded(tiny_model, server, tmp_path):
     write_weight_dir(target, lambda tmp: [shutil.copy(p, tmp) for p in tiny_model.iterdir() if p.is_file()])
     assert client.update_weights_from_disk(str(target), weight_version="7")["success"]
     assert client.weight_version() == "7"
-    # a published dump whose file was damaged afterwards is refused by its manifest
-    with open(target / "model.safetensors", "r+b") as f:
-        f.seek(100)
-        f.write(b"\x00\x01\x02")
-    with pytest.raises(ServerRequestError, match="checksum"):
-        client.update_weights_from_disk(str(target), weight_version="8")
+    # a published dump cut short afterwards is refused by its manifest's sizes (checked on every reload)
+    shutil.copytree(target, tmp_path / "step-8")
+    with open(tmp_path / "step-8" / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(ServerRequestError, match="has 1000 bytes, manifest.json says"):
+        client.update_weights_from_disk(str(tmp_path / "step-8"), weight_version="8")
+    assert client.weight_version() == "7"
     client.update_weights_from_disk(str(tiny_model), weight_version="default")
+
+
+def test_restoring_a_damaged_or_unsealed_dump_is_refused(tiny_model, server, tmp_path):
+    """Restoring a logged dump (on resume, after a server restart) checks its checksums first, whatever the server:
+    a crash before the fsync can leave a published dump with damaged files of the right size."""
+    sync = WeightSync(SimpleNamespace(num_processes=1, is_main_process=True), str(tmp_path), 2, str(tmp_path / "log"), [])
+    client = SGLangClient(server.url, max_retries=0)
+    target = write_weight_dir(tmp_path / "step-3", lambda tmp: [shutil.copy(p, tmp) for p in tiny_model.iterdir() if p.is_file()])
+    logged = SyncTarget("reference", client, version="ref-3", path=target, step=3)
+    with pytest.raises(WeightSyncError, match="never sealed"):
+        sync.repush(logged)
+    seal_weight_dir(target)
+    with open(target / "model.safetensors", "r+b") as f:  # same size, other bytes in the tensor data
+        f.seek(-64, 2)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(WeightSyncError, match="cannot restore the reference server's weights: .*does not match its xxh3_128 checksum"):
+        sync.repush(logged)
+    assert client.weight_version() == "default"
+
+
+def test_sync_is_logged_only_once_its_dump_is_durable(tiny_model, server, tmp_path, monkeypatch):
+    """The seal (checksums, fsync) runs in the background after the server reloaded; the log entry (what a resume
+    trusts) waits for it, and a failed fsync stops the next sync with the file named."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from open_r1_ext import weight_sync as weight_sync_module
+
+    gate, flushed = threading.Event(), []
+
+    def gated_seal(path):
+        assert gate.wait(60)
+        seal_weight_dir(path)
+        flushed.append(path.name)
+
+    monkeypatch.setattr(weight_sync_module, "seal_weight_dir", gated_seal)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    log = tmp_path / "weight_sync.jsonl"
+    target = SyncTarget("generation", SGLangClient(server.url, max_retries=0))
+    sync = WeightSync(Accelerator(cpu=True), str(tmp_path / "weights"), 2, str(log), [target])
+    try:
+        assert sync.sync(model, 1, [target]) is None
+        assert target.client.weight_version() == "1"  # reloaded before the dump reached the disk ...
+        assert flushed == [] and not log.exists()  # ... and not logged until it has
+        gate.set()
+        sync.wait_durable()
+        assert flushed == ["step-1"]
+        assert [json.loads(line)["weight_version"] for line in log.read_text().splitlines()] == ["1"]
+        check_manifest(tmp_path / "weights" / "step-1", checksums=True)
+
+        def failing_seal(path):
+            raise OSError(errno.EIO, "fsync failed: Input/output error", str(path / "model.safetensors"))
+
+        monkeypatch.setattr(weight_sync_module, "seal_weight_dir", failing_seal)
+        assert sync.sync(model, 2, [target]) is None  # published and reloaded; its fsync fails in the background
+        path, error = sync.dump(model, 3)
+        assert error is not None and "step-2/model.safetensors" in error and "Input/output error" in error
+        assert [json.loads(line)["weight_version"] for line in log.read_text().splitlines()] == ["1"]
+    finally:
+        gate.set()
+        target.client.update_weights_from_disk(str(tiny_model), weight_version="default")
 
 
 def hf_epochs(steps_in_epoch: int, grad_accum: int, epochs: int):

@@ -1,7 +1,9 @@
 """Server-side request batching for the built-in server.
 
 HTTP handlers submit work and await a future; one worker thread collects what arrives within a short window,
-runs all scoring in padded forwards and all sampling in one decode loop, then hands each caller its slice.
+runs all scoring in padded forwards and all sampling in one decode loop, then hands each caller its slice. The
+window only waits for requests the HTTP layer has announced (`expect()`) and not yet handed in: a lone request
+starts at once.
 Weight updates go through the same queue, so batches in flight finish on the old weights first.
 """
 
@@ -16,6 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from .engine import GenerationTask, ModelEngine
 
 logger = logging.getLogger(__name__)
@@ -28,6 +32,23 @@ class _Work:
     future: Future
 
 
+_WAKE = _Work("wake", None, Future())  # queued when the last announced request is done: re-check the window
+
+
+class Arrival:
+    """A request the HTTP layer is still receiving: a batch being collected waits for its work until `done()`."""
+
+    def __init__(self, batcher: "Batcher"):
+        self._batcher = batcher
+        self._open = True
+
+    def done(self) -> None:
+        """Its work is queued (or it has none); idempotent."""
+        if self._open:
+            self._open = False
+            self._batcher._arrived()
+
+
 class Batcher:
     """Runs an engine's work on one thread, batching concurrent score and generate requests."""
 
@@ -38,6 +59,8 @@ class Batcher:
         self.max_batch_seqs = max_batch_seqs
         self._queue: queue.Queue[_Work | None] = queue.Queue()
         self._held: deque[_Work] = deque()
+        self._arriving = 0  # requests announced by `expect()` and not done yet
+        self._arriving_lock = threading.Lock()
         self.batches_run = 0
         self.sequences_generated = 0
         self.sequences_scored = 0
@@ -54,6 +77,20 @@ class Batcher:
 
     def generate(self, tasks: list[GenerationTask]) -> Future:
         return self.submit("generate", tasks)
+
+    def expect(self) -> Arrival:
+        """Announce a request on its way: until its `Arrival.done()`, a batch being collected waits for it (at most
+        `max_wait_ms`). With none announced, a batch takes what is queued and starts."""
+        with self._arriving_lock:
+            self._arriving += 1
+        return Arrival(self)
+
+    def _arrived(self) -> None:
+        with self._arriving_lock:
+            self._arriving -= 1
+            last = self._arriving == 0
+        if last:
+            self._queue.put(_WAKE)
 
     def call_exclusive(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` alone on the worker thread, after the batches queued before it (e.g. a weight reload)."""
@@ -73,10 +110,15 @@ class Batcher:
         return self._queue.get(timeout=timeout)
 
     def _loop(self) -> None:
+        # OpenMP and MKL keep their thread count per OS thread: without this, this worker's matmuls would use every
+        # core whatever `--num-threads` (torch.set_num_threads in the main thread) says.
+        torch.set_num_threads(torch.get_num_threads())
         while True:
             first = self._next()
             if first is None:
                 return
+            if first is _WAKE:
+                continue
             if first.kind == "call":
                 self._run_call(first)
                 continue
@@ -84,12 +126,14 @@ class Batcher:
             deadline = time.monotonic() + self.max_wait
             while len(batch) < self.max_batch_seqs:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
+                if remaining <= 0 or (not self._arriving and self._queue.empty()):
+                    break  # the window is over, or nothing more is on its way
                 try:
                     item = self._next(timeout=remaining)
                 except queue.Empty:
                     break
+                if item is _WAKE:
+                    continue
                 if item is None or item.kind == "call":
                     self._held.append(item)  # type: ignore[arg-type]
                     break

@@ -65,16 +65,16 @@ class ModelEngine:
     @torch.inference_mode()
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """For each sequence, `log p(t_i | t_<i)` for i = 1..len-1, from one right-padded forward."""
-        longest = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), longest), dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, : len(seq)] = 1
+        lengths = [len(s) for s in sequences]
+        longest = max(lengths)
+        pad = [self.pad_token_id]
+        # One tensor from the padded lists and one `tolist` at the end: no per-row tensor calls.
+        ids = torch.tensor([s if n == longest else [*s, *pad * (longest - n)] for s, n in zip(sequences, lengths)], dtype=torch.long)
+        mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]).long()
         ids, mask = ids.to(self.device), mask.to(self.device)
         logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-        token_logprobs = _gather_logprobs(logits, ids[:, 1:])
-        return [token_logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
+        token_logprobs = _gather_logprobs(logits, ids[:, 1:]).tolist()
+        return [row if n == longest else row[: n - 1] for row, n in zip(token_logprobs, lengths)]
 
     # ------------------------------------------------------------- generation
     @torch.inference_mode()

@@ -17,11 +17,14 @@ import gc
 import logging
 import os
 import random
+from itertools import chain, islice
 from typing import Any, Optional
 
+import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 
 from . import __version__
 from .batcher import Batcher
@@ -67,12 +70,17 @@ def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[
     for prefix, (engine, batcher) in slots.items():
         app.include_router(slot_router(engine, batcher, random_seed, context_length), prefix=prefix)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and not request.url.path.rsplit("/", 1)[-1].startswith("health"):
-            if request.headers.get("Authorization") != f"Bearer {api_key}":
-                return JSONResponse(status_code=401, content={"error": "Unauthorized"})
-        return await call_next(request)
+    if api_key:  # only then: the middleware costs every request a little
+
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if not request.url.path.rsplit("/", 1)[-1].startswith("health"):
+                if request.headers.get("Authorization") != f"Bearer {api_key}":
+                    return JSONResponse(status_code=401, content={"error": "Unauthorized"})
+            return await call_next(request)
+
+    work_routes = {f"{prefix}{route}": batcher for prefix, (_, batcher) in slots.items() for route in WORK_ROUTES}
+    app.add_middleware(AnnounceWork, batchers=work_routes)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_request: Request, err: RequestValidationError):
@@ -85,9 +93,62 @@ def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[
     return app
 
 
+WORK_ROUTES = ("/generate", "/v1/completions")
+
+
+class OrjsonRequest(Request):
+    """A request whose JSON body is parsed by orjson (its decode errors are `json.JSONDecodeError`s, so FastAPI's
+    400 for a malformed body is unchanged)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class OrjsonRoute(APIRoute):
+    """FastAPI's documented way to swap the request class of a route (here: `OrjsonRequest`)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def orjson_handler(request: Request):
+            return await handler(OrjsonRequest(request.scope, request.receive))
+
+        return orjson_handler
+
+
+class AnnounceWork:
+    """ASGI middleware: from the moment a work request (`WORK_ROUTES`) comes in until its route has queued its work
+    (`_handed_in`), its slot's batcher knows more work is on its way, so a batch being collected waits for it (at
+    most `--max-batch-wait-ms`). When nothing is on its way a batch starts at once: a lone request does not wait."""
+
+    def __init__(self, app, batchers: dict[str, Batcher]):
+        self.app = app
+        self.batchers = batchers
+
+    async def __call__(self, scope, receive, send):
+        batcher = self.batchers.get(scope["path"]) if scope["type"] == "http" else None
+        if batcher is None:
+            return await self.app(scope, receive, send)
+        arrival = batcher.expect()
+        scope.setdefault("state", {})["arrival"] = arrival
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            arrival.done()  # a request refused before it queued anything
+
+
+def _handed_in(request: Request) -> None:
+    """This request's work is all queued: the batch being collected need not wait for it any longer."""
+    arrival = getattr(request.state, "arrival", None)
+    if arrival is not None:
+        arrival.done()
+
+
 def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context_length: Optional[int]) -> APIRouter:
     """The routes of one model slot."""
-    app = APIRouter()
+    app = APIRouter(route_class=OrjsonRoute)
     seeds = random.Random(random_seed)
     max_len = context_length or engine.context_length
 
@@ -156,7 +217,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
     @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(obj: GenerateReqInput) -> Any:
+    async def generate(obj: GenerateReqInput, request: Request) -> Any:
         prompts = obj.prompts()
         try:
             sampling = obj.sampling_per_prompt()
@@ -178,7 +239,9 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         flat = [t for copies in tasks for t in copies]
         to_score = [p for p, want, start in zip(prompts, want_logprob, starts) if want and start >= 0]
         gen_future = asyncio.wrap_future(batcher.generate(flat))
-        scored_iter = iter(await asyncio.wrap_future(batcher.score(to_score)) if to_score else [])
+        score_future = asyncio.wrap_future(batcher.score(to_score)) if to_score else None
+        _handed_in(request)
+        scored_iter = iter(await score_future if score_future is not None else [])
         await gen_future
 
         outputs = []
@@ -188,14 +251,15 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                 input_logprobs = _input_logprob_entries(engine, prompt, next(scored_iter) if start >= 0 else None, start, obj.return_text_in_logprobs)
             for task in copies:
                 outputs.append(_response(engine, task, input_logprobs, want, obj.return_text_in_logprobs))
-        return outputs if obj.is_batch or len(outputs) > 1 else outputs[0]
+        # orjson straight to bytes: FastAPI's own path would validate and serialise thousands of entries again.
+        return Response(orjson.dumps(outputs if obj.is_batch or len(outputs) > 1 else outputs[0]), media_type="application/json")
 
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [{"id": engine.model_path, "object": "model", "owned_by": "open_r1_ext"}]}
 
     @app.post("/v1/completions")
-    async def completions(obj: CompletionRequest) -> dict:
+    async def completions(obj: CompletionRequest, request: Request) -> dict:
         prompts = obj.prompts()
         copies = [obj.sampling(None if obj.seed is None else obj.seed + i) for i in range(len(prompts) * obj.n)]
         _check_prompts(prompts, copies[:: obj.n], [-1] * len(prompts), engine.vocab_size, max_len)
@@ -204,7 +268,9 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                            seed=params.sampling_seed if params.sampling_seed is not None else seeds.getrandbits(63))
             for i, params in enumerate(copies)
         ]
-        await asyncio.wrap_future(batcher.generate(tasks))
+        future = asyncio.wrap_future(batcher.generate(tasks))
+        _handed_in(request)
+        await future
         choices = []
         for index, task in enumerate(tasks):
             logprobs = None
@@ -228,7 +294,7 @@ def _check_prompts(prompts, sampling, starts, vocab_size: int, max_len: int) -> 
     for index, (prompt, params, start) in enumerate(zip(prompts, sampling, starts)):
         if not prompt:
             raise BadRequest(f"input_ids[{index}]: empty sequence")
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        bad = [t for t in prompt if not 0 <= t < vocab_size] if min(prompt) < 0 or max(prompt) >= vocab_size else None
         if bad:
             raise BadRequest(f"input_ids[{index}]: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         if len(prompt) + params.max_new_tokens > max_len:
@@ -251,9 +317,9 @@ def _input_logprob_entries(engine, prompt, scored, start, want_text):
     """SGLang's `input_token_logprobs`: from `logprob_start_len` on, the first prompt token's logprob null."""
     if start < 0:
         return []
-    values = [None] + list(scored)
     ids = prompt[start:]
-    return logprob_entries(values[start:], ids, _token_texts(engine, ids, want_text))
+    values = chain([None], scored) if start == 0 else islice(scored, start - 1, None)  # scored[i] is token i + 1's
+    return logprob_entries(values, ids, _token_texts(engine, ids, want_text))
 
 
 def _response(engine: ModelEngine, task: GenerationTask, input_logprobs, want_logprob: bool, want_text: bool) -> dict:
@@ -287,7 +353,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--random-seed", type=int, default=0, help="seeds the samples that carry no sampling_seed")
     parser.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
-    parser.add_argument("--max-batch-wait-ms", type=float, default=5.0, help="how long to collect requests into one batch")
+    parser.add_argument("--max-batch-wait-ms", type=float, default=5.0,
+                        help="how long a batch waits for requests already being received (a lone request does not wait)")
     parser.add_argument("--max-batch-tokens", type=int, default=32768, help="padded tokens per scoring forward")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch CPU threads (default on CPU: half the cores, leaving the rest to a trainer beside it)")

@@ -1,6 +1,8 @@
 """The built-in server over real HTTP: exact log-probs, generation, weight reloads, batching, bad input."""
 
+import ctypes
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -8,6 +10,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
+from open_r1_ext.batcher import Batcher
 from open_r1_ext.client import SGLangClient, ServerRequestError
 from open_r1_ext.server_process import BuiltinServer
 
@@ -53,6 +56,21 @@ def test_raw_response_has_sglang_shapes(server):
     assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
     batch = requests.post(f"{server.url}/generate", json={"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 1, "n": 2}}, timeout=30).json()
     assert isinstance(batch, list) and [b["meta_info"]["prompt_tokens"] for b in batch] == [2, 2, 1, 1]  # prompt-major
+
+
+def test_logprob_start_len_returns_the_tail_of_the_full_pass(server):
+    seq = [5, 6, 7, 8, 9]
+
+    def entries(start):
+        body = {"input_ids": seq, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": start}
+        return requests.post(f"{server.url}/generate", json=body, timeout=30).json()["meta_info"]["input_token_logprobs"]
+
+    full = entries(0)
+    assert [e[1] for e in full] == seq and full[0][0] is None and all(e[2] is None for e in full)
+    for start in (1, 3, 4):
+        tail = entries(start)
+        assert [e[1] for e in tail] == seq[start:]
+        assert [e[0] for e in tail] == pytest.approx([e[0] for e in full[start:]], abs=1e-6)
 
 
 def test_greedy_generation_equals_transformers_generate(client, hf_model):
@@ -141,6 +159,32 @@ def test_sixteen_concurrent_clients_get_their_own_answers(server, hf_model):
     for seq, got in zip(sequences, answers):
         torch.testing.assert_close(got, local_logprobs(hf_model, seq), atol=1e-5, rtol=0)
     assert after - before < 16, "concurrent requests were not batched together"
+
+
+def test_lone_request_does_not_wait_out_the_batch_window(tiny_model, hf_model):
+    with BuiltinServer(str(tiny_model), extra_args=("--no-ref-slot", "--max-batch-wait-ms", "3000")) as srv:
+        client = SGLangClient(srv.url, request_timeout=60, max_retries=0)
+        seq = [3, 1, 4, 1, 5]
+        client.ref_logprobs([seq])  # warm-up
+        started = time.perf_counter()
+        got = client.ref_logprobs([seq])[0]
+        assert time.perf_counter() - started < 1.5, "a request with nothing else on its way waited for the 3 s window"
+        torch.testing.assert_close(got, local_logprobs(hf_model, seq), atol=1e-5, rtol=0)
+
+
+def test_batcher_worker_keeps_the_torch_thread_count():
+    """OpenMP counts threads per OS thread: the worker must not fall back to every core (`--num-threads` ignored)."""
+    omp_get_max_threads = getattr(ctypes.CDLL(None), "omp_get_max_threads", None)
+    if omp_get_max_threads is None:
+        pytest.skip("torch's OpenMP runtime is not visible through ctypes here")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batcher = Batcher(engine=None)  # type: ignore[arg-type]  # only `call_exclusive` is used
+        assert batcher.call_exclusive(omp_get_max_threads).result(timeout=10) == 1
+        batcher.close()
+    finally:
+        torch.set_num_threads(before)
 
 
 BAD_BODIES = [

@@ -8,7 +8,8 @@ which side goes first; medians are reported):
    weights, then the log-softmax of each next token, as `ModelEngine.score` computes it), on a batch of
    32 sequences x 256 tokens. Reported as tokens/s; target: HTTP / in-process >= 0.85. Done on the tiny model
    and on the ~100M-parameter config (`make_tiny_model(size="100m")`). The warm-up checks both give the same
-   numbers. The server's batch window (`--max-batch-wait-ms`, 5 ms by default) is waited out by every request.
+   numbers. The server's batch window (`--max-batch-wait-ms`, 5 ms by default) only waits for requests already
+   being received, so these lone requests do not wait it out.
 2. Batched generation: 32 prompts sampled in one `client.generate` call against one request per prompt sent
    one after the other (what a naive client does), same sampling (seeded, temperature 1.0, `ignore_eos`, so
    every completion has the same length), on the tiny model. Reported in seconds; target: speedup >= 4.

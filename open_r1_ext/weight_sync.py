@@ -100,9 +100,10 @@ class WeightSync:
         self.keep_last_dumps = keep_last_dumps
         self.log_path = Path(log_path)
         self.reload_attempts = reload_attempts
-        # main process: each dump's fsync, then the log entries and pruning that must follow it, in order
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open_r1_ext-weight-fsync")
+        # main process: each confirmed dump's seal, then its log entries and pruning, in order
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open_r1_ext-weight-seal")
         self._pending: list[Future] = []
+        self._seals: dict[Path, Future] = {}  # the seals still running, for `repush`
 
     # ------------------------------------------------------------ collective
     def sync(self, model, step: int, targets: list[SyncTarget]) -> Optional[str]:
@@ -175,7 +176,9 @@ class WeightSync:
         for target in targets:
             target.version, target.path, target.step = target.version_for(step), path, step
         if self.accelerator.is_main_process:
-            self._in_background(self._seal_log_and_prune, step, path, [(t.role, t.version) for t in targets])
+            seal = self._in_background(self._seal_log_and_prune, step, path, [(t.role, t.version) for t in targets])
+            self._seals = {p: f for p, f in self._seals.items() if not f.done()}
+            self._seals[path] = seal
 
     def wait_durable(self) -> None:
         """Block until every confirmed dump so far is sealed and its sync logged; re-raises the first error of that
@@ -184,8 +187,10 @@ class WeightSync:
         while self._pending:
             self._pending.pop(0).result()
 
-    def _in_background(self, fn, *args) -> None:
-        self._pending.append(self._background.submit(fn, *args))
+    def _in_background(self, fn, *args) -> Future:
+        future = self._background.submit(fn, *args)
+        self._pending.append(future)
+        return future
 
     def push(self, target: SyncTarget, path: Path, version: str) -> None:
         """Have `target` reload `path` and confirm `version`; retried, then `WeightSyncError`."""
@@ -213,6 +218,9 @@ class WeightSync:
         logger.warning("%s server at %s lost weight_version %s (restarted?): reloading %s",
                        target.role, target.client.base_url, target.version, target.path)
         try:
+            sealing = self._seals.get(target.path)
+            if sealing is not None:  # confirmed moments ago: its checksums are being written
+                sealing.result()
             check_manifest(target.path, checksums=True)
         except (WeightFileError, OSError) as err:
             raise WeightSyncError(f"cannot restore the {target.role} server's weights: {err}") from err

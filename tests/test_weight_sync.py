@@ -149,7 +149,16 @@ def test_sync_is_logged_only_once_its_dump_is_durable(tiny_model, server, tmp_pa
         assert sync.sync(model, 1, [target]) is None
         assert target.client.weight_version() == "1"  # reloaded before the dump reached the disk ...
         assert flushed == [] and not log.exists()  # ... and not logged until it has
+        # a server restart now (simulated: it went back to its start-up weights) re-pushes once the seal is done
+        target.client.update_weights_from_disk(str(tiny_model), weight_version="default")
+        outcome = []
+        repush = threading.Thread(target=lambda: outcome.append(sync.repush(target) or "reloaded"))
+        repush.start()
+        repush.join(timeout=1.0)
+        assert repush.is_alive() and target.client.weight_version() == "default"
         gate.set()
+        repush.join(timeout=60)
+        assert outcome == ["reloaded"] and target.client.weight_version() == "1"
         sync.wait_durable()
         assert flushed == ["step-1"]
         assert [json.loads(line)["weight_version"] for line in log.read_text().splitlines()] == ["1"]

@@ -24,6 +24,16 @@ from trainer_helpers import model_variant, reward_len, tiny_config, tiny_dataset
 FIXED_BATCH = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
 
+@pytest.fixture(autouse=True)
+def server_back_to_default(request, tiny_model):
+    """After a test that used the module's server, put its start-up weights back (even when the test failed), so
+    one failure does not cascade into the next tests."""
+    yield
+    if "server" in request.fixturenames:
+        url = request.getfixturevalue("server").url
+        SGLangClient(url).update_weights_from_disk(str(tiny_model), weight_version="default")
+
+
 class CompareAfterSync(TrainerCallback):
     """After each step's sync, the server's log-probs of a fixed batch vs the trainer's current policy."""
 
@@ -49,6 +59,7 @@ def test_each_sync_makes_the_server_exact_and_prunes(tiny_model, server, tmp_pat
 
     class CountDumps(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
+            trainer.weight_sync.wait_durable()  # pruning follows the seal, on the background thread
             dumps_seen.append(sorted(p.name for p in (tmp_path / "weights").iterdir()))
 
     trainer.add_callback(compare)

@@ -120,20 +120,17 @@ def seal_weight_dir(directory: Path) -> None:
         check_manifest(directory, checksums=False)  # never checksum a file that changed since it was published
         for name, entry in files.items():
             entry[CHECKSUM] = checksum_of(directory / name)
-        _write_manifest(directory, files, replace=True)
+        _write_manifest(directory, files)
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         _fsync(path)
     _fsync(directory)
     _fsync(directory.parent)
 
 
-def _write_manifest(directory: Path, files: dict[str, dict], replace: bool) -> None:
-    text = json.dumps({"files": files}, indent=1)
-    if not replace:
-        (directory / MANIFEST).write_text(text)
-        return
+def _write_manifest(directory: Path, files: dict[str, dict]) -> None:
+    """Write (or replace) the manifest in one rename: a reader sees the old one or the new one, never half."""
     tmp = directory / f".{MANIFEST}.tmp"
-    tmp.write_text(text)
+    tmp.write_text(json.dumps({"files": files}, indent=1))
     os.replace(tmp, directory / MANIFEST)
 
 
@@ -151,7 +148,7 @@ def write_weight_dir(directory: Path, write: Callable[[Path], None]) -> Path:
         str(path.relative_to(tmp)): {"size": path.stat().st_size}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != INCOMPLETE)
     }
-    _write_manifest(tmp, files, replace=False)
+    _write_manifest(tmp, files)
     (tmp / INCOMPLETE).unlink()
     if directory.exists():
         shutil.rmtree(directory)

@@ -6,9 +6,9 @@ The trainer classes are imported lazily, so the server and the launcher start wi
 __version__ = "0.1.0"
 
 _LAZY = {
-    "RemoteGRPOTrainer": "open_r1_ext.trainer",
-    "RemoteGRPOConfig": "open_r1_ext.config",
-    "SGLangClient": "open_r1_ext.client",
+    "RemoteGRPOTrainer": "open_r1_ext.trainer.remote_trainer",
+    "RemoteGRPOConfig": "open_r1_ext.trainer.config",
+    "SGLangClient": "open_r1_ext.sglang_client",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -19,7 +19,7 @@ from typing import Optional
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from . import train
+    from open_r1_ext import train
 
     argv = ["--config", args.recipe, *(f"--set={s}" for s in args.set)]
     if args.server_url:
@@ -30,7 +30,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .recipe import RecipeError, load_recipe
+    from open_r1_ext.launch.recipe import RecipeError, load_recipe
 
     failed = 0
     for path in args.recipes:
@@ -47,7 +47,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_new_recipe(args: argparse.Namespace) -> int:
     """Copy a recipe for another model: the model id and its short name (output dir, sync dir, job name) change;
     comments and everything else stay, for the user to adjust (GPU counts, batch sizes)."""
-    from .recipe import RecipeError, load_recipe
+    from open_r1_ext.launch.recipe import RecipeError, load_recipe
 
     source = Path(args.source)
     try:
@@ -69,16 +69,16 @@ def cmd_new_recipe(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
-    from . import serve
+    from open_r1_ext.server import app as serve
 
     serve.main(rest)
     return 0
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from .launcher import EXECUTORS, describe_launch, launch
-    from .recipe import RecipeError, load_recipe
-    from .slurm_plan import PlanError, SlurmPlan
+    from open_r1_ext.launch.submitit_launcher import EXECUTORS, describe_launch, launch
+    from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
 
     try:
         recipe = load_recipe(args.recipe, args.set)
@@ -95,8 +95,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_slurm_env(args: argparse.Namespace) -> int:
-    from .recipe import RecipeError, load_recipe
-    from .slurm_plan import PlanError, SlurmPlan
+    from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
 
     try:
         print(SlurmPlan(load_recipe(args.recipe, args.set), args.set).shell_env(), end="")
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     slurm_env.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     slurm_env.set_defaults(func=cmd_slurm_env)
 
-    serve = sub.add_parser("serve", help="the built-in server (same flags as python -m open_r1_ext.serve)", add_help=False)
+    serve = sub.add_parser("serve", help="the built-in server (same flags as python -m open_r1_ext.server)", add_help=False)
     serve.set_defaults(func=cmd_serve)
     return parser
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Sequence
 
-from .client import Completion, SGLangClient
+from open_r1_ext.sglang_client import Completion, SGLangClient
 
 logger = logging.getLogger(__name__)
 TOKEN_ID_PREFIX = "token_id:"

@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .recipe import Recipe, RecipeError, load_recipe
+from open_r1_ext.launch.recipe import Recipe, RecipeError, load_recipe
 
 logger = logging.getLogger("open_r1_ext.train")
 SERVER_URL_ENV, REF_URL_ENV = "OPEN_R1_EXT_SERVER_URL", "OPEN_R1_EXT_REF_URL"
@@ -53,8 +53,8 @@ def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str]
     from transformers import set_seed
     from transformers.trainer_utils import get_last_checkpoint
 
-    from .data import load_prompts
-    from .trainer import RemoteGRPOTrainer
+    from open_r1_ext.trainer.data import load_prompts
+    from open_r1_ext.trainer.remote_trainer import RemoteGRPOTrainer
 
     set_seed(recipe.trainer.get("seed", 42))
     output_dir = Path(recipe.output_dir)
@@ -80,7 +80,7 @@ def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str]
 
 
 def build_rewards(recipe: Recipe) -> list:
-    from .rewards import resolve_reward
+    from open_r1_ext.trainer.rewards import resolve_reward
 
     funcs = []
     for spec in recipe.rewards:
@@ -113,7 +113,7 @@ def servers(recipe: Recipe, server_url: Optional[str], ref_url: Optional[str]) -
 
 
 def embedded_server(recipe: Recipe, name: str):
-    from .server_process import BuiltinServer
+    from open_r1_ext.launch.local_server import BuiltinServer
 
     log = Path(recipe.output_dir) / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -1,16 +1,12 @@
 """Shared fixtures: tiny models built locally (no download) and built-in server processes on free ports."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+from tools.make_tiny_model import make_tiny_model
 
-from make_tiny_model import make_tiny_model  # noqa: E402
-
-from open_r1_ext.server_process import BuiltinServer  # noqa: E402
+from open_r1_ext.launch.local_server import BuiltinServer
 
 
 @pytest.fixture(scope="session")

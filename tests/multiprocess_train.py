@@ -5,10 +5,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 
-from open_r1_ext import RemoteGRPOTrainer  # noqa: E402
-from trainer_helpers import reward_len, tiny_config, tiny_dataset  # noqa: E402
+from open_r1_ext import RemoteGRPOTrainer
+from tests.helpers import reward_len, tiny_config, tiny_dataset
 
 model, url, output_dir, per_device = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 samples = []

@@ -9,8 +9,8 @@ import requests
 from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
-from open_r1_ext.server_process import BuiltinServer
-from trainer_helpers import reward_len, tiny_config, tiny_dataset, tiny_settings
+from open_r1_ext.launch.local_server import BuiltinServer
+from tests.helpers import reward_len, tiny_config, tiny_dataset, tiny_settings
 
 
 def rollouts(output_dir):
@@ -93,7 +93,7 @@ def test_rewards_rise_in_both_modes(tiny_model, server, tmp_path):
     (dict(async_generation=True, generation_url="http://x:1", weight_sync_steps=2), "needs weight_sync_steps=1"),
 ])
 def test_async_config_errors(tmp_path, overrides, message):
-    from open_r1_ext.config import RemoteGRPOConfig
+    from open_r1_ext.trainer.config import RemoteGRPOConfig
 
     with pytest.raises(ValueError, match=message):
         RemoteGRPOConfig(**tiny_settings(tmp_path, **overrides))

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from open_r1_ext.launcher import EXECUTORS, JobRef, TrainerTask, launch
-from open_r1_ext.recipe import load_recipe
-from open_r1_ext.slurm_plan import SlurmPlan
+from open_r1_ext.launch.submitit_launcher import EXECUTORS, JobRef, TrainerTask, launch
+from open_r1_ext.launch.recipe import load_recipe
+from open_r1_ext.launch.slurm_plan import SlurmPlan
 from test_slurm import (  # noqa: F401 - slurm_cluster and tiny_run are fixtures
     JOB_WAIT_S,
     RECIPE,
@@ -94,7 +94,7 @@ def test_dry_run_prints_both_jobs_and_submits_nothing(slurm_cluster, tiny_run):
     for role in ("server", "ref-server", "trainer"):
         assert f"{role} job: 1 node(s)" in out and f"sbatch --job-name={name}-{role} --time=00:30:00" in out
         assert f"submitit parameters of the {role} job: {{'name': '{name}-{role}'" in out
-    assert "-m open_r1_ext.serve --model-path" in out
+    assert "-m open_r1_ext.server --model-path" in out
     assert "accelerate.commands.launch --cpu --dynamo_backend no --num_machines 1 --num_processes 1" in out
     assert '--server-url "$SERVER_URL" --ref-url "$REF_SERVER_URL"' in out
     assert not tiny_run.jobs() and not tiny_run.run_dir.exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import requests
 
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # `-m tests.<script>` runs from the repository root
 
 
 def run_ranks(tiny_model, url, out: Path, processes: int, per_device: int) -> list[dict]:
@@ -19,8 +19,8 @@ def run_ranks(tiny_model, url, out: Path, processes: int, per_device: int) -> li
     if processes == 1:
         launcher = [sys.executable]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    result = subprocess.run([*launcher, str(HERE / "multiprocess_train.py"), str(tiny_model), url, str(out), str(per_device)],
-                            capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run([*launcher, "-m", "tests.multiprocess_train", str(tiny_model), url, str(out), str(per_device)],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return [json.loads((out / f"rank-{i}.json").read_text()) for i in range(processes)]
 

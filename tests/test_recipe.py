@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from open_r1_ext.recipe import RecipeError, load_recipe
+from open_r1_ext.launch.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(REPO.glob("recipes/*/grpo/*.yaml")) + [REPO / "recipes/tiny/grpo.yaml"]

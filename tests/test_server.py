@@ -10,9 +10,9 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
-from open_r1_ext.batcher import Batcher
-from open_r1_ext.client import SGLangClient, ServerRequestError
-from open_r1_ext.server_process import BuiltinServer
+from open_r1_ext.server.batcher import Batcher
+from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
+from open_r1_ext.launch.local_server import BuiltinServer
 
 
 def local_logprobs(model, seq):
@@ -136,7 +136,7 @@ def test_update_weights_from_disk_then_partial_dump_refused(server, tiny_model, 
 
 
 def test_wrong_shapes_refused(server, tiny_model, tmp_path):
-    from trainer_helpers import model_variant
+    from tests.helpers import model_variant
 
     narrow = model_variant(tiny_model, tmp_path / "narrow", intermediate_size=96)
     client = SGLangClient(server.url, request_timeout=60, max_retries=1)
@@ -256,8 +256,8 @@ def test_client_rides_through_server_restart(tiny_model, hf_model, tmp_path):
 
 
 def test_client_error_names_url_when_server_never_comes(tiny_model):
-    from open_r1_ext.client import ServerError
-    from open_r1_ext.server_process import free_port
+    from open_r1_ext.sglang_client import ServerError
+    from open_r1_ext.launch.local_server import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     client = SGLangClient(url, max_retries=2, backoff_factor=0.05)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from open_r1_ext.recipe import load_recipe
-from open_r1_ext.server_process import free_port
-from open_r1_ext.slurm_plan import PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
+from open_r1_ext.launch.recipe import load_recipe
+from open_r1_ext.launch.local_server import free_port
+from open_r1_ext.launch.slurm_plan import PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny/grpo.yaml"

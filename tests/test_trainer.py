@@ -10,10 +10,10 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from open_r1_ext import RemoteGRPOTrainer
-from open_r1_ext.client import ServerError
-from open_r1_ext.server_process import BuiltinServer, free_port
-from open_r1_ext.trainer import RemoteReference
-from trainer_helpers import model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
+from open_r1_ext.sglang_client import ServerError
+from open_r1_ext.launch.local_server import BuiltinServer, free_port
+from open_r1_ext.trainer.remote_trainer import RemoteReference
+from tests.helpers import model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 
 def losses_and_kl(trainer):

@@ -15,11 +15,11 @@ import torch
 from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
-from open_r1_ext.client import SGLangClient, ServerRequestError
-from open_r1_ext.config import RemoteGRPOConfig
+from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
+from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.weight_files import check_manifest, seal_weight_dir, write_weight_dir
-from open_r1_ext.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
-from trainer_helpers import model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
+from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
+from tests.helpers import model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 FIXED_BATCH = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
@@ -269,8 +269,8 @@ def test_soft_reference_update_mixes_on_the_builtin_server(tiny_model, other_tin
 
 
 def test_failed_reload_stops_training_unless_staleness_allows(tiny_model, tmp_path):
-    from open_r1_ext.server_process import BuiltinServer
-    from open_r1_ext.weight_sync import WeightSyncError
+    from open_r1_ext.launch.local_server import BuiltinServer
+    from open_r1_ext.trainer.weight_sync import WeightSyncError
 
     # a server whose model has other shapes: it generates, but cannot load the trainer's weights
     narrow = model_variant(tiny_model, tmp_path / "narrow", intermediate_size=96)

@@ -6,15 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # `-m tests.<script>` runs from the repository root
 
 
 def test_zero3_dump_equals_the_unsharded_weights(tiny_model, tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(HERE / "zero3_dump.py"), str(tiny_model), str(tmp_path)]
+               "-m", "tests.zero3_dump", str(tiny_model), str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-5000:]
     report = json.loads((tmp_path / "zero3.json").read_text())
     assert report["stage"] == 3

@@ -9,12 +9,11 @@ import deepspeed
 
 deepspeed.init_distributed(dist_backend="gloo")  # on CPU, before transformers builds the model under zero.Init
 
-sys.path.insert(0, str(Path(__file__).parent))
 
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from open_r1_ext import RemoteGRPOTrainer  # noqa: E402
-from trainer_helpers import reward_len, tiny_config, tiny_dataset  # noqa: E402
+from open_r1_ext import RemoteGRPOTrainer
+from tests.helpers import reward_len, tiny_config, tiny_dataset
 
 model, output_dir = sys.argv[1], Path(sys.argv[2])
 zero3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},

@@ -98,8 +98,8 @@ def main() -> None:
     facts = machine_facts(args.quick)
     speedup = parallel_speedup()
 
-    from open_r1_ext.client import SGLangClient
-    from open_r1_ext.server_process import BuiltinServer
+    from open_r1_ext.sglang_client import SGLangClient
+    from open_r1_ext.launch.local_server import BuiltinServer
 
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir(Path(tmp), "tiny")

@@ -48,12 +48,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
 
-from open_r1_ext.client import SGLangClient  # noqa: E402
-from open_r1_ext.server_process import BuiltinServer  # noqa: E402
+from open_r1_ext.sglang_client import SGLangClient  # noqa: E402
+from open_r1_ext.launch.local_server import BuiltinServer  # noqa: E402
 
 REF_TARGET = 0.85
 GENERATE_TARGET = 4.0
-DEFAULT_BATCH_WAIT_MS = 5.0  # the default of `python -m open_r1_ext.serve --max-batch-wait-ms`
+DEFAULT_BATCH_WAIT_MS = 5.0  # the default of `python -m open_r1_ext.server --max-batch-wait-ms`
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
 
 from open_r1_ext import weight_files  # noqa: E402
-from open_r1_ext.client import SGLangClient  # noqa: E402
-from open_r1_ext.server_process import BuiltinServer  # noqa: E402
+from open_r1_ext.sglang_client import SGLangClient  # noqa: E402
+from open_r1_ext.launch.local_server import BuiltinServer  # noqa: E402
 
 RATIO_TARGET = 1.3
 BLOCK = 4 << 20  # dd bs=4M

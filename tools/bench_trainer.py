@@ -88,7 +88,7 @@ def child(kind: str, model: str, setup: Setup, threads: int, output_dir: Path, r
     from trl import GRPOConfig, GRPOTrainer
 
     from open_r1_ext import RemoteGRPOConfig, RemoteGRPOTrainer
-    from open_r1_ext.trainer import RemoteReference
+    from open_r1_ext.trainer.remote_trainer import RemoteReference
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -138,7 +138,7 @@ def run_child(kind: str, model: Path, setup: Setup, threads: int, output_dir: Pa
 
 def measure(models_root: Path, work: Path, setup: Setup, threads: int) -> dict:
     """Alternate stock and remote runs (stock first on even repeats) against one built-in server."""
-    from open_r1_ext.server_process import BuiltinServer
+    from open_r1_ext.launch.local_server import BuiltinServer
 
     path = model_dir(models_root, setup.size)
     runs: dict[str, list[dict]] = {"stock": [], "remote": []}

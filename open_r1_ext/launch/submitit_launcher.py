@@ -22,9 +22,9 @@ import submitit
 from submitit.helpers import Checkpointable, DelayedSubmission
 from submitit.local.local import LocalJob
 
-from .client import SGLangClient
-from .recipe import Recipe
-from .slurm_plan import POLL_S, TRAINER, RunFiles, SlurmPlan, argv
+from open_r1_ext.sglang_client import SGLangClient
+from open_r1_ext.launch.recipe import Recipe
+from open_r1_ext.launch.slurm_plan import POLL_S, TRAINER, RunFiles, SlurmPlan, argv
 
 ExecutorFactory = Callable[[Path], submitit.Executor]
 # squeue/scontrol states of a job that may still run (a requeued trainer is PENDING again); UNKNOWN: squeue failed

@@ -21,11 +21,11 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
-from .async_rollout import LookaheadIterator, RolloutQueue, prompts_key
-from .client import ServerError, SGLangClient
-from .config import RemoteGRPOConfig
-from .openai_client import OpenAICompletionsClient
-from .weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
+from open_r1_ext.trainer.async_rollout import LookaheadIterator, RolloutQueue, prompts_key
+from open_r1_ext.sglang_client import ServerError, SGLangClient
+from open_r1_ext.trainer.config import RemoteGRPOConfig
+from open_r1_ext.openai_client import OpenAICompletionsClient
+from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
 
 logger = logging.getLogger(__name__)
 

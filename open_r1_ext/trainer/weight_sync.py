@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from .client import ServerError, SGLangClient
-from .weight_files import WeightFileError, check_manifest, seal_weight_dir, write_weight_dir
+from open_r1_ext.sglang_client import ServerError, SGLangClient
+from open_r1_ext.weight_files import WeightFileError, check_manifest, seal_weight_dir, write_weight_dir
 
 logger = logging.getLogger(__name__)
 STEP_PREFIX = "step-"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, Union
 
-from .recipe import Recipe, SlurmJob
+from open_r1_ext.launch.recipe import Recipe, SlurmJob
 
 SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
 MAIN_PROCESS_PORT = 29500  # accelerate's rendezvous port on the trainer's first node
@@ -153,7 +153,7 @@ class SlurmPlan:
     @property
     def server_wait_s(self) -> float:
         """How long a trainer waits for its servers: the recipe's `trainer.server_wait_timeout`."""
-        from .config import RemoteGRPOConfig
+        from open_r1_ext.trainer.config import RemoteGRPOConfig
 
         default = {f.name: f.default for f in dataclasses.fields(RemoteGRPOConfig)}["server_wait_timeout"]
         return float(self.recipe.trainer.get("server_wait_timeout", default))
@@ -220,7 +220,7 @@ class SlurmPlan:
                 cmd += ["--nnodes", nodes, "--node-rank", node_rank,
                         "--dist-init-addr", (head, f":{port + DIST_INIT_PORT_OFFSET}")]
         else:
-            cmd = [sys.executable, "-m", "open_r1_ext.serve", *common, "--dtype", server.dtype]
+            cmd = [sys.executable, "-m", "open_r1_ext.server", *common, "--dtype", server.dtype]
         if server.api_key:
             cmd += ["--api-key", server.api_key]
         return cmd + [str(a) for a in server.extra_args]

@@ -1,6 +1,6 @@
 """HTTP client for SGLang's native protocol: reference log-probs, generation, and weight reloads.
 
-One class, `SGLangClient`, drives a real SGLang server and the built-in server (`open_r1_ext.serve`) alike.
+One class, `SGLangClient`, drives a real SGLang server and the built-in server (`python -m open_r1_ext.server`) alike.
 Every call has a timeout; connection errors and 5xx are retried with exponential back-off (urllib3 `Retry`);
 4xx is not retried and the server's message is raised. Large batches are split by a token budget and sent
 concurrently. Bodies are encoded and decoded with orjson (a 32x256 reference answer, ~250 KB, parses in ~1.5 ms
@@ -64,7 +64,7 @@ class SGLangClient:
 
     Examples:
         Start a server (`python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --port 30000`,
-        or `python -m open_r1_ext.serve --model-path DIR --port 30000`), then:
+        or `python -m open_r1_ext.server --model-path DIR --port 30000`), then:
 
         ```python
         >>> client = SGLangClient("http://localhost:30000")

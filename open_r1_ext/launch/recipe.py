@@ -156,7 +156,7 @@ class Recipe:
                        on_this_machine: bool = True):
         """The `RemoteGRPOConfig` of this run, with the servers' URLs filled in. `on_this_machine=False` (validation
         on a login node) leaves out the settings transformers checks against the local hardware (bf16, fp16, tf32)."""
-        from .config import RemoteGRPOConfig
+        from open_r1_ext.trainer.config import RemoteGRPOConfig
 
         kwargs = dict(self.trainer, **self.sync)
         if not on_this_machine:
@@ -296,7 +296,7 @@ def _build_dataclass(cls, mapping: Any, where: str, problems: list):
 
 def _check_trainer_keys(mapping: Any, where: str, problems: list, exclude=(), only=None) -> Optional[dict]:
     """Check names and types of `RemoteGRPOConfig` fields (the values are validated by the config itself)."""
-    from .config import RemoteGRPOConfig
+    from open_r1_ext.trainer.config import RemoteGRPOConfig
 
     if not isinstance(mapping, dict):
         problems.append((where, "expected a mapping of trainer settings"))
@@ -382,7 +382,7 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
         if reward is None:
             continue
         try:
-            from .rewards import resolve_reward
+            from open_r1_ext.trainer.rewards import resolve_reward
 
             resolve_reward(reward.name)
         except ValueError as err:

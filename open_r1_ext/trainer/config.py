@@ -1,6 +1,6 @@
 """`RemoteGRPOConfig`: TRL's `GRPOConfig` plus the settings of the remote reference, generation and weight sync.
 
-Read by `RemoteGRPOTrainer`; a recipe's `trainer:` section is parsed into it (`open_r1_ext.recipe`).
+Read by `RemoteGRPOTrainer`; a recipe's `trainer:` section is parsed into it (`open_r1_ext.launch.recipe`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class RemoteGRPOConfig(GRPOConfig):
         > Remote reference model
 
         ref_model_url (`str` or `None`, *optional*, defaults to `None`):
-            Base URL of an SGLang-protocol server (SGLang, or `python -m open_r1_ext.serve`) hosting the reference
+            Base URL of an SGLang-protocol server (SGLang, or `python -m open_r1_ext.server`) hosting the reference
             model. When set and `beta > 0`, the trainer builds no reference model: per-token reference log-probs of
             prompt + completion come from the server. SGLang returns these log-probs at temperature 1 (unscaled);
             TRL scales its local reference by `temperature`, so the two agree exactly at `temperature=1.0`.

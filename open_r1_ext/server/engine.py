@@ -1,7 +1,7 @@
 """The built-in server's model work: batched log-prob scoring, batched sampling, and weight reloads.
 
 A `ModelEngine` owns one transformers causal LM on CPU or one GPU. It knows nothing of HTTP; the batcher
-(`open_r1_ext.batcher`) calls it from a single worker thread, so weights never change under a forward.
+(`open_r1_ext.server.batcher`) calls it from a single worker thread, so weights never change under a forward.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
-from .weight_files import WeightFileError, read_weight_dir
+from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
+from open_r1_ext.weight_files import WeightFileError, read_weight_dir
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .client import SGLangClient, ServerError
+from open_r1_ext.sglang_client import SGLangClient, ServerError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,7 +24,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class BuiltinServer:
-    """`python -m open_r1_ext.serve` in a subprocess; `start()` returns once `/health` answers."""
+    """`python -m open_r1_ext.server` in a subprocess; `start()` returns once `/health` answers."""
 
     def __init__(
         self,
@@ -48,7 +48,7 @@ class BuiltinServer:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "open_r1_ext.serve", "--model-path", self.model_path,
+        return [sys.executable, "-m", "open_r1_ext.server", "--model-path", self.model_path,
                 "--host", self.host, "--port", str(self.port), "--log-level", "warning", *self.extra_args]
 
     def start(self) -> "BuiltinServer":

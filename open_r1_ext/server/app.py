@@ -1,6 +1,6 @@
 """The built-in inference server: SGLang's native HTTP protocol on top of a transformers model.
 
-    python -m open_r1_ext.serve --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
+    python -m open_r1_ext.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
 
 Routes are thin: they validate with `open_r1_ext.protocol`, hand work to the `Batcher`, and shape SGLang's
 responses. It serves the same client as a real SGLang server (`/generate`, `/update_weights_from_disk`,
@@ -26,10 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 
-from . import __version__
-from .batcher import Batcher
-from .engine import DTYPES, GenerationTask, ModelEngine
-from .protocol import (
+from open_r1_ext import __version__
+from open_r1_ext.server.batcher import Batcher
+from open_r1_ext.server.engine import DTYPES, GenerationTask, ModelEngine
+from open_r1_ext.protocol import (
     CompletionRequest,
     GenerateReqInput,
     SamplingParams,
@@ -38,9 +38,9 @@ from .protocol import (
     finish_reason,
     logprob_entries,
 )
-from .weight_files import WeightFileError
+from open_r1_ext.weight_files import WeightFileError
 
-logger = logging.getLogger("open_r1_ext.serve")
+logger = logging.getLogger("open_r1_ext.server.app")
 HEALTH_TIMEOUT_S = 20.0
 HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)  # /health_generate: one greedy token
 LOAD_FORMATS = (None, "auto", "safetensors")
@@ -342,7 +342,7 @@ def _response(engine: ModelEngine, task: GenerationTask, input_logprobs, want_lo
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m open_r1_ext.serve", description="The built-in SGLang-protocol server.")
+    parser = argparse.ArgumentParser(prog="python -m open_r1_ext.server", description="The built-in SGLang-protocol server.")
     parser.add_argument("--model-path", required=True, help="transformers model directory (or hub name, if reachable)")
     parser.add_argument("--ref-model-path", default=None, help="model of the /ref slot (default: --model-path)")
     parser.add_argument("--no-ref-slot", action="store_true", help="serve one model only (no /ref slot)")

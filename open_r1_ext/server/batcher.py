@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .engine import GenerationTask, ModelEngine
+from open_r1_ext.server.engine import GenerationTask, ModelEngine
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .recipe import DataSection, is_local_path
+from open_r1_ext.launch.recipe import DataSection, is_local_path
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 

@@ -9,19 +9,19 @@ log-probs can be used. Same `generate(...)` signature as `SGLangClient.generate`
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-from open_r1_ext.sglang_client import Completion, SGLangClient
+from open_r1_ext.protocol import Completion, completion_from_choice, completions_request, finish_reason_of_choice
+from open_r1_ext.sglang_client import DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, SGLangClient
 
 logger = logging.getLogger(__name__)
-TOKEN_ID_PREFIX = "token_id:"
 
 
 class OpenAICompletionsClient:
     """`/v1/completions` client with SGLangClient's retry and timeout policy (it reuses its HTTP session)."""
 
     def __init__(self, base_url: str, tokenizer, model: Optional[str] = None, api_key: Optional[str] = None,
-                 request_timeout: float = 600.0, max_retries: int = 8):
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES):
         self.http = SGLangClient(base_url, api_key=api_key, request_timeout=request_timeout, max_retries=max_retries)
         self.base_url = self.http.base_url
         self.tokenizer = tokenizer
@@ -43,23 +43,7 @@ class OpenAICompletionsClient:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict, n: int = 1,
                  seeds: Optional[Sequence[int]] = None) -> list[list[Completion]]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": [list(map(int, p)) for p in prompts],
-            "n": n,
-            "max_tokens": int(sampling.get("max_new_tokens", 128)),
-            "temperature": float(sampling.get("temperature", 1.0)),
-            "top_p": float(sampling.get("top_p", 1.0)),
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-        }
-        if sampling.get("top_k", -1) > 0:
-            body["top_k"] = int(sampling["top_k"])
-        if sampling.get("stop_token_ids"):
-            body["stop_token_ids"] = list(sampling["stop_token_ids"])
-        if seeds is not None:
-            body["seed"] = int(seeds[0]) % (2**31)
+        body = completions_request(self.model, prompts, sampling, n, seed=None if seeds is None else seeds[0])
         answer = self.http.post_json("/v1/completions", body)
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * n:
@@ -68,13 +52,9 @@ class OpenAICompletionsClient:
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _completion(self, choice: dict) -> Completion:
-        logprobs = choice.get("logprobs") or {}
-        tokens = logprobs.get("tokens")
-        reason = choice.get("finish_reason") or "length"
-        if tokens and all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in tokens):
-            ids = [int(t[len(TOKEN_ID_PREFIX):]) for t in tokens]
-            values = logprobs.get("token_logprobs")
-            return Completion(ids, [float(v) for v in values] if values else None, reason, None)
+        completion = completion_from_choice(choice)
+        if completion is not None:
+            return completion
         if not self._warned_lossy:
             logger.warning(
                 "%s returns completions as text only: re-tokenizing them with the trainer's tokenizer is lossy (the ids "
@@ -82,6 +62,7 @@ class OpenAICompletionsClient:
                 "ids (SGLang's native /generate, or vLLM's return_tokens_as_token_ids).", self.base_url)
             self._warned_lossy = True
         ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
+        reason = finish_reason_of_choice(choice)
         if reason == "stop" and self.tokenizer.eos_token_id is not None:
             ids = ids + [self.tokenizer.eos_token_id]
         return Completion(ids, None, reason, None)

@@ -2,13 +2,15 @@
 
 Field names, defaults and response shapes follow SGLang 0.5.23 (`sglang/srt/managers/io_struct.py`,
 `sglang/srt/entrypoints/http_server.py`). This is the one module that knows those names: the built-in
-server parses requests with these models, and the client builds its request bodies with them.
+server parses requests with the models below, and the clients build their bodies and read the answers with the
+functions at the end (`generate_request`, `completion_from_generate`, ...).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import repeat
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -135,3 +137,115 @@ def finish_reason(kind: str, matched_or_length: int) -> dict:
 def error_body(message: str) -> dict:
     """SGLang's error body for a rejected request."""
     return {"error": {"message": message}}
+
+
+# ------------------------------------------------------------------------------------------------ client side
+# What `sglang_client` and `openai_client` send and read. Plain dicts, not the models above: validating every token
+# id of a 32x256 reference request on the trainer would cost more than the request itself.
+
+# vLLM's `return_tokens_as_token_ids`: `logprobs.tokens` entries read `"token_id:N"`.
+TOKEN_ID_PREFIX = "token_id:"
+
+
+@dataclass
+class Completion:
+    """One sampled completion: token ids, their sampling log-probs, why it stopped, and the weights used."""
+
+    token_ids: list[int]
+    logprobs: Optional[list[float]]
+    finish_reason: str
+    weight_version: Optional[str]
+
+
+def sampling_params(max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                    stop_token_ids: Sequence[int] = (), min_p: Optional[float] = None,
+                    repetition_penalty: float = 1.0, **extra: Any) -> dict:
+    """SGLang `sampling_params` (`top_k=-1`: no top-k); `min_p` and `repetition_penalty` only when they filter."""
+    params = {"max_new_tokens": int(max_new_tokens), "temperature": temperature, "top_p": top_p,
+              "top_k": top_k if top_k and top_k > 0 else -1, "stop_token_ids": list(stop_token_ids)}
+    if min_p is not None:
+        params["min_p"] = min_p
+    if repetition_penalty != 1.0:
+        params["repetition_penalty"] = repetition_penalty
+    params.update(extra)
+    return params
+
+
+def reference_request(sequences: Sequence[Sequence[int]]) -> dict:
+    """`/generate` body that scores whole sequences: no new token, the log-prob of every input token."""
+    return {
+        "input_ids": [list(map(int, s)) for s in sequences],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+
+
+def input_token_logprobs(result: dict) -> list:
+    """A `/generate` answer's `[logprob, token_id, text]` entries for its input tokens (the first one's is null)."""
+    return result["meta_info"]["input_token_logprobs"]
+
+
+def generate_request(prompts: list[list[int]], sampling: list[dict]) -> dict:
+    """`/generate` body sampling one completion per prompt, with its own `sampling_params`, and their log-probs."""
+    return {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True}
+
+
+def with_seed(sampling: dict, seed: Optional[int]) -> dict:
+    return sampling if seed is None else {**sampling, "sampling_seed": int(seed)}
+
+
+def completion_from_generate(result: dict) -> Completion:
+    meta = result["meta_info"]
+    return Completion(
+        token_ids=list(result["output_ids"]),
+        logprobs=[float(e[0]) for e in meta["output_token_logprobs"]],
+        finish_reason=(meta.get("finish_reason") or {}).get("type", "length"),
+        weight_version=meta.get("weight_version"),
+    )
+
+
+def update_weights_request(model_path: str, weight_version: Optional[str] = None, **extra: Any) -> dict:
+    """`/update_weights_from_disk` body; `extra` e.g. the built-in server's `mixup_alpha`."""
+    body = {"model_path": str(model_path), **extra}
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def completions_request(model: str, prompts: Sequence[Sequence[int]], sampling: dict, n: int,
+                        seed: Optional[int]) -> dict:
+    """OpenAI `/v1/completions` body for SGLang-style `sampling` (`sampling_params` above), asking for token ids."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": [list(map(int, p)) for p in prompts],
+        "n": n,
+        "max_tokens": int(sampling.get("max_new_tokens", 128)),
+        "temperature": float(sampling.get("temperature", 1.0)),
+        "top_p": float(sampling.get("top_p", 1.0)),
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+    }
+    if sampling.get("top_k", -1) > 0:
+        body["top_k"] = int(sampling["top_k"])
+    if sampling.get("stop_token_ids"):
+        body["stop_token_ids"] = list(sampling["stop_token_ids"])
+    if seed is not None:
+        body["seed"] = int(seed) % (2**31)
+    return body
+
+
+def completion_from_choice(choice: dict) -> Optional[Completion]:
+    """An OpenAI choice as a `Completion` when its tokens are given as ids (`"token_id:N"`); None if text only."""
+    logprobs = choice.get("logprobs") or {}
+    tokens = logprobs.get("tokens")
+    if not tokens or not all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in tokens):
+        return None
+    values = logprobs.get("token_logprobs")
+    return Completion([int(t[len(TOKEN_ID_PREFIX):]) for t in tokens], [float(v) for v in values] if values else None,
+                      finish_reason_of_choice(choice), None)
+
+
+def finish_reason_of_choice(choice: dict) -> str:
+    return choice.get("finish_reason") or "length"

@@ -3,8 +3,9 @@
 One class, `SGLangClient`, drives a real SGLang server and the built-in server (`python -m open_r1_ext.server`) alike.
 Every call has a timeout; connection errors and 5xx are retried with exponential back-off (urllib3 `Retry`);
 4xx is not retried and the server's message is raised. Large batches are split by a token budget and sent
-concurrently. Bodies are encoded and decoded with orjson (a 32x256 reference answer, ~250 KB, parses in ~1.5 ms
-instead of ~6 ms with `json`).
+concurrently. Bodies are built and read through `open_r1_ext.protocol` (the one module that knows SGLang's field
+names) and encoded and decoded with orjson (a 32x256 reference answer, ~250 KB, parses in ~1.5 ms instead of ~6 ms
+with `json`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Iterable, Optional, Sequence
 
@@ -23,7 +23,23 @@ from requests.adapters import HTTPAdapter
 from tqdm.auto import tqdm
 from urllib3.util.retry import Retry
 
+from open_r1_ext.protocol import (
+    Completion,
+    completion_from_generate,
+    generate_request,
+    input_token_logprobs,
+    reference_request,
+    update_weights_request,
+    with_seed,
+)
+
 logger = logging.getLogger(__name__)
+
+# The clients' defaults; `RemoteGRPOConfig` and `OpenAICompletionsClient` read them from here.
+DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one HTTP call
+DEFAULT_MAX_RETRIES = 8  # with the back-off below: about two minutes of retries
+DEFAULT_BACKOFF_FACTOR = 0.5
+DEFAULT_MAX_BATCH_TOKENS = 65536
 
 
 class ServerError(RuntimeError):
@@ -37,16 +53,6 @@ class ServerRequestError(ServerError):
         super().__init__(message)
         self.status_code = status_code
         self.detail = detail or message
-
-
-@dataclass
-class Completion:
-    """One sampled completion: token ids, their sampling log-probs, why it stopped, and the weights used."""
-
-    token_ids: list[int]
-    logprobs: Optional[list[float]]
-    finish_reason: str
-    weight_version: Optional[str]
 
 
 class SGLangClient:
@@ -82,10 +88,10 @@ class SGLangClient:
         self,
         base_url: str,
         api_key: Optional[str] = None,
-        request_timeout: float = 600.0,
-        max_retries: int = 8,
-        backoff_factor: float = 0.5,
-        max_batch_tokens: int = 65536,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_concurrency: int = 8,
     ):
         self.base_url = base_url.rstrip("/")
@@ -168,17 +174,9 @@ class SGLangClient:
     # ------------------------------------------------------------ the work
     def ref_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per-token log-probs `log p(t_i | t_<i)`, i = 1..len-1, of each whole sequence (a reference-model pass)."""
-        def body(batch):
-            return {
-                "input_ids": [list(map(int, s)) for s in batch],
-                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-                "return_logprob": True,
-                "logprob_start_len": 0,
-            }
-
-        results = self._batched_generate(list(sequences), body, [len(s) for s in sequences])
+        results = self._batched_generate(list(sequences), reference_request, [len(s) for s in sequences])
         # One tensor for the whole batch, then split: a single torch.tensor call instead of one per sequence.
-        rows = [r["meta_info"]["input_token_logprobs"] for r in results]
+        rows = [input_token_logprobs(r) for r in results]
         flat = torch.tensor([entry[0] for row in rows for entry in islice(row, 1, None)], dtype=torch.float32)
         return list(flat.split([len(row) - 1 for row in rows]))
 
@@ -197,34 +195,20 @@ class SGLangClient:
         items = [list(map(int, p)) for p in prompts for _ in range(n)]
         if seeds is not None and len(seeds) != len(items):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(items)} samples")
-        params = [dict(sampling, **({"sampling_seed": int(seeds[i])} if seeds is not None else {})) for i in range(len(items))]
+        params = [with_seed(sampling, None if seeds is None else seeds[i]) for i in range(len(items))]
         indexed = list(zip(items, params))
         max_new = int(sampling.get("max_new_tokens", 128))
 
         def body(batch):
-            return {
-                "input_ids": [ids for ids, _ in batch],
-                "sampling_params": [p for _, p in batch],
-                "return_logprob": True,
-            }
+            return generate_request([ids for ids, _ in batch], [p for _, p in batch])
 
         results = self._batched_generate(indexed, body, [len(ids) + max_new for ids in items])
-        flat = [
-            Completion(
-                token_ids=list(r["output_ids"]),
-                logprobs=[float(e[0]) for e in r["meta_info"]["output_token_logprobs"]],
-                finish_reason=(r["meta_info"].get("finish_reason") or {}).get("type", "length"),
-                weight_version=r["meta_info"].get("weight_version"),
-            )
-            for r in results
-        ]
+        flat = [completion_from_generate(r) for r in results]
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None, **extra: Any) -> dict:
         """Ask the server to load new weights from `model_path` (a directory it can read); raises on failure."""
-        body = {"model_path": str(model_path), **extra}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
+        body = update_weights_request(model_path, weight_version, **extra)
         url = f"{self.base_url}/update_weights_from_disk"
         try:
             result = self.post_json("/update_weights_from_disk", body)

@@ -1,11 +1,18 @@
-"""Helpers shared by the tests: a tiny prompt dataset, a reward, configs sized for 2 CPU cores, model variants."""
+"""Helpers shared by the tests: a tiny prompt dataset, a reward, configs sized for 2 CPU cores, model variants,
+and the server chores (restore its start-up weights, kill and restart it mid-training)."""
 
+import signal
+import threading
 from pathlib import Path
+from typing import Optional
 
 from datasets import Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from open_r1_ext import RemoteGRPOConfig
+from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION
+from open_r1_ext.sglang_client import SGLangClient
 
 
 def tiny_dataset(n: int = 16) -> Dataset:
@@ -37,3 +44,30 @@ def model_variant(base: Path, out: Path, **config_changes) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
     return out
+
+
+def restore_default_weights(url: str, model: Path) -> None:
+    """Put the server (slot) at `url` back on `model`'s weights, reporting its start-up weight version."""
+    assert SGLangClient(url).update_weights_from_disk(str(model), weight_version=DEFAULT_WEIGHT_VERSION)["success"]
+
+
+class KillServerAt(TrainerCallback):
+    """Kill `server` (SIGKILL) after optimizer step `step`; with `restart_after` seconds, start it again on the same
+    port that much later (in `self.restarted`; stop it with `stop()`)."""
+
+    def __init__(self, server: BuiltinServer, step: int, restart_after: Optional[float] = None):
+        self.server, self.step, self.restart_after = server, step, restart_after
+        self.restarted: Optional[BuiltinServer] = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step:
+            return
+        self.server.stop(signal.SIGKILL)
+        if self.restart_after is not None:
+            self.restarted = BuiltinServer(self.server.model_path, port=self.server.port)
+            threading.Timer(self.restart_after, self.restarted.start).start()
+
+    def stop(self) -> None:
+        self.server.stop()
+        if self.restarted is not None:
+            self.restarted.stop()

@@ -25,5 +25,5 @@ trainer.train()
 rank = trainer.accelerator.process_index
 with open(os.path.join(output_dir, f"rank-{rank}.json"), "w") as f:
     json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "global_step": trainer.state.global_step,
-               "local_samples": sum(samples), "server_version": trainer.generation_client.weight_version(),
-               "target_version": trainer.generation_target.version}, f)
+               "local_samples": sum(samples), "server_version": trainer.remote_generation.target.client.weight_version(),
+               "target_version": trainer.remote_generation.target.version}, f)

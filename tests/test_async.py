@@ -1,24 +1,17 @@
 """Async generation (one-step off-policy GRPO) against real built-in servers: staleness, restarts, learning."""
 
 import json
-import signal
-import threading
 
 import pytest
 import requests
-from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.local_server import BuiltinServer
-from tests.helpers import reward_len, tiny_config, tiny_dataset, tiny_settings
+from tests.helpers import KillServerAt, restore_default_weights, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 
 def rollouts(output_dir):
     return [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
-
-
-def reset(url, model):
-    requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(model), "weight_version": "default"}, timeout=60)
 
 
 def test_async_batches_are_at_most_one_step_stale(tiny_model, server, tmp_path):
@@ -35,26 +28,17 @@ def test_async_batches_are_at_most_one_step_stale(tiny_model, server, tmp_path):
     assert requests.get(f"{server.url}/get_model_info", timeout=10).json()["weight_version"] == "6"
     staleness_metric = [h["remote/staleness"] for h in trainer.state.log_history if "remote/staleness" in h and "loss" in h]
     assert staleness_metric == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    reset(server.url, tiny_model)
+    restore_default_weights(server.url, tiny_model)
 
 
 def test_async_survives_a_server_restart_without_losing_a_batch(tiny_model, tmp_path):
     srv = BuiltinServer(str(tiny_model)).start()
-    restarted = []
-
-    class Restart(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
-                srv.stop(signal.SIGKILL)
-                again = BuiltinServer(str(tiny_model), port=srv.port)
-                restarted.append(again)
-                threading.Timer(1.0, again.start).start()
-
+    killer = KillServerAt(srv, step=2, restart_after=1.0)
     try:
         args = tiny_config(tmp_path, max_steps=6, generation_url=srv.url, ref_model_url=f"{srv.url}/ref",
                            async_generation=True, max_retries=10)
         trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
-        trainer.add_callback(Restart())
+        trainer.add_callback(killer)
         trainer.train()
         assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3, 4, 5, 6]
         log = rollouts(tmp_path)
@@ -62,9 +46,7 @@ def test_async_survives_a_server_restart_without_losing_a_batch(tiny_model, tmp_
         assert all(e["staleness"] <= 1 for e in log)
         assert requests.get(f"{srv.url}/get_model_info", timeout=10).json()["weight_version"] == "6"
     finally:
-        srv.stop()
-        for again in restarted:
-            again.stop()
+        killer.stop()
 
 
 def low_ids(completion_ids, **kwargs):
@@ -83,7 +65,7 @@ def test_rewards_rise_in_both_modes(tiny_model, server, tmp_path):
         first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
         assert last > first + 0.3, (mode, rewards)
         finals[mode] = last
-        reset(server.url, tiny_model)
+        restore_default_weights(server.url, tiny_model)
     # one step off-policy learns a little slower at first; over 20 steps it ends within noise of on-policy
     assert finals[True] >= finals[False] - 0.15, finals
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import requests
 
+from tests.helpers import restore_default_weights
+
 REPO = Path(__file__).resolve().parents[1]  # `-m tests.<script>` runs from the repository root
 
 
@@ -29,16 +31,11 @@ def generated(url) -> int:
     return requests.get(f"{url}/get_server_info", timeout=10).json()["sequences_generated"]
 
 
-def reset(url, tiny_model):
-    body = {"model_path": str(tiny_model), "weight_version": "default"}
-    assert requests.post(f"{url}/update_weights_from_disk", json=body, timeout=60).json()["success"]
-
-
 def test_two_processes_match_one_process(tiny_model, server, tmp_path):
     before = generated(server.url)
     one = run_ranks(tiny_model, server.url, tmp_path / "one", processes=1, per_device=4)
     after_one = generated(server.url)
-    reset(server.url, tiny_model)
+    restore_default_weights(server.url, tiny_model)
     two = run_ranks(tiny_model, server.url, tmp_path / "two", processes=2, per_device=2)
     after_two = generated(server.url)
 
@@ -50,4 +47,4 @@ def test_two_processes_match_one_process(tiny_model, server, tmp_path):
     log = [json.loads(line) for line in (tmp_path / "two" / "weight_sync.jsonl").read_text().splitlines()]
     assert [e["step"] for e in log] == [1, 2, 3]
     assert {r["server_version"] for r in two} == {r["target_version"] for r in two} == {"3"}
-    reset(server.url, tiny_model)
+    restore_default_weights(server.url, tiny_model)

@@ -1,19 +1,17 @@
 """RemoteGRPOTrainer against real built-in server processes: parity with stock TRL, remote generation, faults."""
 
 import logging
-import signal
-import threading
 
 import pytest
 import requests
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.sglang_client import ServerError
 from open_r1_ext.launch.local_server import BuiltinServer, free_port
 from open_r1_ext.trainer.remote_trainer import RemoteReference
-from tests.helpers import model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
+from tests.helpers import KillServerAt, model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 
 def losses_and_kl(trainer):
@@ -48,7 +46,7 @@ def test_remote_generation_returns_server_token_ids(tiny_model, server, tmp_path
 
     args = tiny_config(tmp_path, max_steps=1, generation_url=server.url, ref_model_url=f"{server.url}/ref", weight_sync_steps=0)
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=record, args=args, train_dataset=tiny_dataset())
-    client = trainer.generation_client
+    client = trainer.remote_generation.client
     calls = []
     real_generate = client.generate
 
@@ -94,23 +92,9 @@ def test_prompt_longer_than_server_context_names_prompt_and_limit(tiny_model, tm
             trainer.train()
 
 
-class KillServerAt(TrainerCallback):
-    """Kill the server (SIGKILL) after step `step` and start it again on the same port a little later."""
-
-    def __init__(self, server, step, restart_after=1.0):
-        self.server, self.step, self.restart_after = server, step, restart_after
-        self.restarted = None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            self.server.stop(signal.SIGKILL)
-            self.restarted = BuiltinServer(self.server.model_path, port=self.server.port)
-            threading.Timer(self.restart_after, self.restarted.start).start()
-
-
 def test_training_rides_through_a_server_restart(tiny_model, tmp_path):
     srv = BuiltinServer(str(tiny_model)).start()
-    killer = KillServerAt(srv, step=2)
+    killer = KillServerAt(srv, step=2, restart_after=1.0)
     try:
         args = tiny_config(tmp_path, max_steps=5, generation_url=srv.url, ref_model_url=f"{srv.url}/ref", max_retries=10)
         trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
@@ -122,22 +106,14 @@ def test_training_rides_through_a_server_restart(tiny_model, tmp_path):
         # after the restart the trainer re-pushed its weights: the server reports the latest version
         assert requests.get(f"{srv.url}/get_model_info", timeout=10).json()["weight_version"] == "5"
     finally:
-        srv.stop()
-        if killer.restarted:
-            killer.restarted.stop()
+        killer.stop()
 
 
 def test_server_gone_for_good_stops_with_a_checkpoint(tiny_model, tmp_path):
     srv = BuiltinServer(str(tiny_model)).start()
-
-    class KillForGood(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
-                srv.stop(signal.SIGKILL)
-
     args = tiny_config(tmp_path, max_steps=5, generation_url=srv.url, ref_model_url=f"{srv.url}/ref", max_retries=1)
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
-    trainer.add_callback(KillForGood())
+    trainer.add_callback(KillServerAt(srv, step=2))
     with pytest.raises(ServerError, match=r"Training stopped at step 2\. A checkpoint to resume from is in .*checkpoint-2"):
         trainer.train()
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()

@@ -19,7 +19,7 @@ from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
 from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.weight_files import check_manifest, seal_weight_dir, write_weight_dir
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
-from tests.helpers import model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
+from tests.helpers import model_variant, restore_default_weights, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 FIXED_BATCH = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
@@ -30,8 +30,7 @@ def server_back_to_default(request, tiny_model):
     one failure does not cascade into the next tests."""
     yield
     if "server" in request.fixturenames:
-        url = request.getfixturevalue("server").url
-        SGLangClient(url).update_weights_from_disk(str(tiny_model), weight_version="default")
+        restore_default_weights(request.getfixturevalue("server").url, tiny_model)
 
 
 class CompareAfterSync(TrainerCallback):
@@ -75,7 +74,7 @@ def test_each_sync_makes_the_server_exact_and_prunes(tiny_model, server, tmp_pat
     assert dumps_seen[-1] == ["step-10", "step-8", "step-9"]
     log = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
     assert [e["weight_version"] for e in log] == [str(i) for i in range(1, 11)]
-    SGLangClient(server.url).update_weights_from_disk(str(tiny_model), weight_version="default")
+    restore_default_weights(server.url, tiny_model)
 
 
 DUMPER = textwrap.dedent("""
@@ -115,7 +114,7 @@ def test_dump_killed_half_way_is_never_loaded(tiny_model, server, tmp_path):
     with pytest.raises(ServerRequestError, match="has 1000 bytes, manifest.json says"):
         client.update_weights_from_disk(str(tmp_path / "step-8"), weight_version="8")
     assert client.weight_version() == "7"
-    client.update_weights_from_disk(str(tiny_model), weight_version="default")
+    restore_default_weights(server.url, tiny_model)
 
 
 def test_restoring_a_damaged_or_unsealed_dump_is_refused(tiny_model, server, tmp_path):
@@ -142,7 +141,7 @@ def test_sync_is_logged_only_once_its_dump_is_durable(tiny_model, server, tmp_pa
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from open_r1_ext import weight_sync as weight_sync_module
+    from open_r1_ext.trainer import weight_sync as weight_sync_module
 
     gate, flushed = threading.Event(), []
 
@@ -161,7 +160,7 @@ def test_sync_is_logged_only_once_its_dump_is_durable(tiny_model, server, tmp_pa
         assert target.client.weight_version() == "1"  # reloaded before the dump reached the disk ...
         assert flushed == [] and not log.exists()  # ... and not logged until it has
         # a server restart now (simulated: it went back to its start-up weights) re-pushes once the seal is done
-        target.client.update_weights_from_disk(str(tiny_model), weight_version="default")
+        restore_default_weights(server.url, tiny_model)
         outcome = []
         repush = threading.Thread(target=lambda: outcome.append(sync.repush(target) or "reloaded"))
         repush.start()
@@ -185,7 +184,7 @@ def test_sync_is_logged_only_once_its_dump_is_durable(tiny_model, server, tmp_pa
         assert [json.loads(line)["weight_version"] for line in log.read_text().splitlines()] == ["1"]
     finally:
         gate.set()
-        target.client.update_weights_from_disk(str(tiny_model), weight_version="default")
+        restore_default_weights(server.url, tiny_model)
 
 
 def hf_epochs(steps_in_epoch: int, grad_accum: int, epochs: int):
@@ -249,7 +248,7 @@ def test_remote_reference_sync_every_half_epoch(tiny_model, server, tmp_path):
     with torch.no_grad():
         want = torch.log_softmax(policy(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
     torch.testing.assert_close(ref.ref_logprobs(FIXED_BATCH[:1])[0], want, atol=1e-5, rtol=0)
-    ref.update_weights_from_disk(str(tiny_model), weight_version="default")
+    restore_default_weights(ref.base_url, tiny_model)
 
 
 def test_soft_reference_update_mixes_on_the_builtin_server(tiny_model, other_tiny_model, server, tmp_path):
@@ -265,7 +264,7 @@ def test_soft_reference_update_mixes_on_the_builtin_server(tiny_model, other_tin
         ids = torch.tensor([FIXED_BATCH[0]])
         want = torch.log_softmax(a(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
     torch.testing.assert_close(ref.ref_logprobs(FIXED_BATCH[:1])[0], want, atol=1e-5, rtol=0)
-    ref.update_weights_from_disk(str(tiny_model), weight_version="default")
+    restore_default_weights(ref.base_url, tiny_model)
 
 
 def test_failed_reload_stops_training_unless_staleness_allows(tiny_model, tmp_path):

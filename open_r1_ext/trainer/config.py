@@ -10,6 +10,8 @@ from typing import Optional, Union
 
 from trl import GRPOConfig
 
+from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT
+
 GENERATION_BACKENDS = ("sglang", "openai")
 
 
@@ -102,15 +104,15 @@ class RemoteGRPOConfig(GRPOConfig):
     server_api_key: Optional[str] = field(
         default=None, metadata={"help": "Sent as `Authorization: Bearer KEY` to every server."}
     )
-    request_timeout: float = field(default=600.0, metadata={"help": "Seconds one HTTP call may take."})
+    request_timeout: float = field(default=DEFAULT_REQUEST_TIMEOUT, metadata={"help": "Seconds one HTTP call may take."})
     max_retries: int = field(
-        default=8, metadata={"help": "Retries on connection errors and HTTP 5xx, with exponential back-off."}
+        default=DEFAULT_MAX_RETRIES, metadata={"help": "Retries on connection errors and HTTP 5xx, with exponential back-off."}
     )
     server_wait_timeout: float = field(
         default=900.0, metadata={"help": "Seconds to wait at start-up for the servers to become healthy."}
     )
     max_batch_tokens: int = field(
-        default=65536, metadata={"help": "Token budget of one request; larger batches are split and sent concurrently."}
+        default=DEFAULT_MAX_BATCH_TOKENS, metadata={"help": "Token budget of one request; larger batches are split and sent concurrently."}
     )
 
     weight_sync_steps: int = field(

@@ -1,18 +1,13 @@
 """`RemoteGRPOTrainer`: TRL's `GRPOTrainer` with the reference model and generation on a remote server.
 
-It overrides two narrow hooks of trl 1.16.0 and copies none of its loop:
-- `_get_per_token_logps_and_entropies`: for the reference model, the log-probs come from the server;
-- `_generate_single_turn`: completions come from the server as token ids, with their sampling log-probs.
-A callback (`WeightSyncCallback`) dumps the policy for the servers after optimizer steps (`weight_sync.py`).
-With `async_generation`, `get_batch_samples` reads batches ahead and a rollout thread generates them while the
-current step trains (`async_rollout.py`).
+It overrides narrow hooks of trl 1.16.0 and copies none of its loop: `_get_per_token_logps_and_entropies` takes
+the reference's log-probs from the server; `_generate_single_turn`, `get_batch_samples` and a callback after each
+optimizer step call the remote generation object (`generation.py`: generation, look-ahead, weight sync targets).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import random
 from pathlib import Path
 from typing import Optional
 
@@ -21,13 +16,15 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
-from open_r1_ext.trainer.async_rollout import LookaheadIterator, RolloutQueue, prompts_key
 from open_r1_ext.sglang_client import ServerError, SGLangClient
 from open_r1_ext.trainer.config import RemoteGRPOConfig
-from open_r1_ext.openai_client import OpenAICompletionsClient
+from open_r1_ext.trainer.generation import remote_generation, server_client
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
 
 logger = logging.getLogger(__name__)
+# TRL's `vllm_mode` while remote generation stands in for vLLM: neither "colocate" nor "server", so no TRL code path
+# that reaches for a vLLM engine or client (e.g. the tool loop's context length under "colocate") runs.
+REMOTE_VLLM_MODE = "remote"
 
 
 class RemoteReference:
@@ -44,7 +41,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
     """A `GRPOTrainer` whose reference model and/or generation run on SGLang-protocol servers.
 
     Takes the same arguments as [`~trl.GRPOTrainer`], with `args` a [`RemoteGRPOConfig`]. With `ref_model_url` set
-    (and `beta > 0`) no reference model is built; with `generation_url` set, completions are sampled by the server.
+    (and `beta > 0`) no reference model is built; with `generation_url` set, completions are sampled by the server
+    (`self.remote_generation`, see `generation.py`).
 
     Example:
         ```python
@@ -75,7 +73,10 @@ class RemoteGRPOTrainer(GRPOTrainer):
             args.beta, args.sync_ref_model = beta, sync_ref_model
         self.beta = beta
 
-        self.ref_client = self._client(args.ref_model_url) if remote_reference else None
+        self.weight_sync = WeightSync(self.accelerator, args.sync_dir, args.keep_last_dumps,
+                                      f"{args.output_dir}/weight_sync.jsonl", targets=[])
+        self.ref_client = server_client(args, args.ref_model_url) if remote_reference else None
+        self.reference_target = None
         if remote_reference:
             self.ref_model = RemoteReference(self.ref_client)
             if args.temperature != 1.0:
@@ -83,45 +84,27 @@ class RemoteGRPOTrainer(GRPOTrainer):
                     "temperature=%s: the server's reference log-probs are unscaled (temperature 1), while TRL's local "
                     "reference is scaled by the temperature; the KL term uses the unscaled reference.", args.temperature
                 )
-        self.generation_client = None
-        if args.generation_url:
-            if args.generation_backend == "openai":
-                self.generation_client = OpenAICompletionsClient(
-                    args.generation_url, tokenizer=self.processing_class, model=args.generation_model_name,
-                    api_key=args.server_api_key, request_timeout=args.request_timeout, max_retries=args.max_retries,
-                )
-            else:
-                self.generation_client = self._client(args.generation_url)
-            # TRL applies its importance-sampling correction (sampling log-probs vs. the trainer's) only on its vLLM
-            # path; the flag is read nowhere else once `_generate_single_turn` is ours.
-            self.use_vllm = bool(args.vllm_importance_sampling_correction)
+            if sync_ref_model:
+                self.reference_target = SyncTarget("reference", self.ref_client, mixup_alpha=args.ref_model_mixup_alpha)
+                self.weight_sync.targets.append(self.reference_target)
+        self.remote_generation = remote_generation(self, self.weight_sync)
+        if self.remote_generation is not None:
+            self.vllm_mode = REMOTE_VLLM_MODE
+            self._use_importance_sampling(args.vllm_importance_sampling_correction)
         self._check_servers()
-
-        self.generation_target = None
-        if self.generation_client is not None and args.weight_sync_steps > 0:
-            weights_client = getattr(self.generation_client, "http", self.generation_client)
-            self.generation_target = SyncTarget("generation", weights_client)
-        self.reference_target = None
-        if remote_reference and sync_ref_model:
-            self.reference_target = SyncTarget("reference", self.ref_client, mixup_alpha=args.ref_model_mixup_alpha)
-        targets = [t for t in (self.generation_target, self.reference_target) if t is not None]
-        self.weight_sync = WeightSync(self.accelerator, args.sync_dir, args.keep_last_dumps,
-                                      f"{args.output_dir}/weight_sync.jsonl", targets)
-        if targets or sync_ref_model:
-            self.add_callback(WeightSyncCallback(self))
-        self.rollouts: Optional[RolloutQueue] = None  # the async-generation thread, while training
-        self._lookahead: Optional[LookaheadIterator] = None
+        self.add_callback(WeightSyncCallback(self))
 
     # ----------------------------------------------------------------- set-up
-    def _client(self, url: str) -> SGLangClient:
-        args = self.args
-        return SGLangClient(url, api_key=args.server_api_key, request_timeout=args.request_timeout,
-                            max_retries=args.max_retries, max_batch_tokens=args.max_batch_tokens)
+    def _use_importance_sampling(self, enabled: bool) -> None:
+        """TRL applies its truncated importance-sampling correction (sampling log-probs vs. the trainer's) only
+        where `use_vllm` is true; remote generation switches it through that flag, here only."""
+        self.use_vllm = bool(enabled)
 
     def _check_servers(self) -> None:
         """Wait for each server, then refuse to train if it serves another model or vocabulary than ours."""
         progress = self.accelerator.is_main_process
-        for role, client in (("reference", self.ref_client), ("generation", self.generation_client)):
+        generation_client = self.remote_generation.client if self.remote_generation is not None else None
+        for role, client in (("reference", self.ref_client), ("generation", generation_client)):
             if client is None:
                 continue
             client.wait_until_healthy(timeout=self.args.server_wait_timeout, progress=progress)
@@ -137,137 +120,35 @@ class RemoteGRPOTrainer(GRPOTrainer):
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if self.generation_client is None:
+        if self.remote_generation is None:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if images:
             raise ValueError("remote generation (generation_url) serves text prompts only")
-        if self.rollouts is not None:
-            announced = self.rollouts.take(prompts_key(prompt_ids))
-            if announced is None:  # not read ahead (e.g. the first batch after a resume): generate it now, in order
-                job = self._generation_job(prompt_ids, num_generations, self._sampling_seeds(len(prompt_ids)))
-                announced = self.rollouts.submit(job)
-            completions = announced.result()
-        else:
-            self._ensure_generation_weights()
-            completions = self._generation_job(prompt_ids, num_generations, self._sampling_seeds(len(prompt_ids)))()
-        self._log_rollout(completions)
+        completions = self.remote_generation.generate(prompt_ids, num_generations)
         completion_ids = [c.token_ids for c in completions]
         logprobs = [c.logprobs for c in completions] if all(c.logprobs is not None for c in completions) else None
-        if logprobs is None and self.use_vllm:
-            self.use_vllm = False  # no sampling log-probs from this server: no importance-sampling correction
+        if logprobs is None:
+            self._use_importance_sampling(False)  # no sampling log-probs from this server: nothing to correct with
         return completion_ids, logprobs
 
-    def _generation_job(self, prompt_ids, num_generations, seeds):
-        """A callable that generates the completions of `prompt_ids` (on this thread or the rollout thread)."""
-        unique, n = group_repeated_prompts(prompt_ids, num_generations)
-        sampling = self._remote_sampling_params()
-
-        def generate():
-            groups = self.generation_client.generate(unique, sampling, n=n, seeds=seeds)
-            completions = [c for group in groups for c in group]
-            target = self.generation_target
-            if target is not None and any(version_number(c.weight_version) < version_number(target.version)
-                                          for c in completions if c.weight_version is not None):
-                self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
-                groups = self.generation_client.generate(unique, sampling, n=n, seeds=seeds)
-                completions = [c for group in groups for c in group]
-            return completions
-
-        return generate
-
-    def _log_rollout(self, completions) -> None:
-        """Log each batch's weight version and staleness (steps between the weights it was sampled from and the
-        policy it trains); stop if it exceeds `max_weight_staleness` (plus the steps between two syncs)."""
-        versions = [version_number(c.weight_version) for c in completions if c.weight_version is not None]
-        if not versions or self.generation_target is None or not self.model.training:
-            return
-        oldest = min(versions)
-        staleness = self.state.global_step - oldest
-        self._metrics["train"]["remote/staleness"].append(float(staleness))
-        if self.accelerator.is_main_process:
-            with open(Path(self.args.output_dir) / "rollouts.jsonl", "a") as log:
-                log.write(json.dumps({"step": self.state.global_step + 1, "weight_version": oldest, "staleness": staleness}) + "\n")
-        allowed = self.args.max_weight_staleness + self.args.weight_sync_steps - 1
-        if staleness > allowed:
-            raise WeightSyncError(
-                f"the batch for step {self.state.global_step + 1} was sampled from weights of step {oldest}, "
-                f"{staleness} steps old (at most {allowed} allowed by max_weight_staleness): the generation server "
-                "is not taking the new weights (see the warnings above)"
-            )
-
-    # -------------------------------------------------------- async generation
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        if not self.args.async_generation:  # (only the training loop reads its batches through this method)
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self._lookahead is None or self._lookahead.source is not epoch_iterator:
-            if self.rollouts is None:
-                self.rollouts = RolloutQueue()
-            period = self.args.steps_per_generation * self.num_iterations
-            self._lookahead = LookaheadIterator(epoch_iterator, self._announce_batch, self.args.max_weight_staleness, period)
-        return super().get_batch_samples(self._lookahead, num_batches, device)
-
-    def _announce_batch(self, batch) -> None:
-        """A generation batch read ahead: queue its generation behind the reloads queued so far."""
-        self._ensure_generation_weights()
-        prompt_ids, _, _ = self._tokenize_prompts([example["prompt"] for example in batch])
-        seeds = self._sampling_seeds(len(prompt_ids), salt=self._lookahead.read if self._lookahead else 0)
-        job = self._generation_job(prompt_ids, self.num_generations, seeds)
-        self.rollouts.submit_generation(prompts_key(prompt_ids), job)
+        # (only the training loop reads its batches through this method)
+        if self.remote_generation is not None:
+            epoch_iterator = self.remote_generation.batches(epoch_iterator)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     # ------------------------------------------------------------ weight sync
-    def sync_weights(self, targets: list[SyncTarget]) -> None:
-        """Dump the policy and have `targets` reload it (every rank calls this); stop on failure unless the
-        generation weights stay within `max_weight_staleness` steps. With async generation the generation server's
-        reload is queued on the rollout thread, between two generation batches; the reference's is done now, so
-        the next step's reference log-probs come from the new reference."""
+    def sync_weights(self, generation_due: bool, references: list[SyncTarget]) -> None:
+        """Dump the policy; the generation server (when due) and the `references` reload it (every rank calls this)."""
         step = self.state.global_step
-        if self.rollouts is not None:
-            path, error = self.weight_sync.dump(self.model, step)
-            if error is not None:
-                raise WeightSyncError(error)
-            generation = [t for t in targets if t.role == "generation"]
-            reference = [t for t in targets if t.role != "generation"]
-            if reference and (error := self.weight_sync.publish(reference, path, step)) is not None:
-                raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
-            self.weight_sync.share_state(generation)
-            if generation and self.accelerator.is_main_process:
-                self.rollouts.submit(lambda: self._push_logged(generation, path, step))
-            return
-        error = self.weight_sync.sync(self.model, step, targets)
-        if error is None:
-            return
-        stale = step - (self.generation_target.step or 0) if self.generation_target is not None else step
-        only_generation = all(t.role == "generation" for t in targets)
-        if only_generation and stale <= self.args.max_weight_staleness:
-            logger.warning("weight sync at step %d failed (%s); generating from weights %d step(s) old "
-                           "(max_weight_staleness=%d)", step, error, stale, self.args.max_weight_staleness)
-            return
-        raise WeightSyncError(
-            f"{error}\nStopping at step {step} rather than training on stale weights (set max_weight_staleness > 0 "
-            "to tolerate a few failed reloads)."
-        )
-
-    def _push_logged(self, targets, path, step) -> None:
-        try:
-            self.weight_sync.push_and_confirm(targets, path, step)
-        except WeightSyncError as err:  # the staleness check on the next batches decides whether to stop
-            logger.warning("weight sync of step %d failed: %s", step, err)
+        if generation_due:
+            self.remote_generation.sync_weights(step, references)
+        elif references and (error := self.weight_sync.sync(self.model, step, references)) is not None:
+            raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
 
     def sync_local_reference(self) -> None:
         model = self.accelerator.unwrap_model(self.model)
         SyncRefModelCallback.sync_target_model(model, self.ref_model, self.args.ref_model_mixup_alpha)
-
-    def _ensure_generation_weights(self) -> None:
-        """At the first generation of this process, make the server hold the trainer's weights (e.g. on resume)."""
-        target = self.generation_target
-        if target is None or target.version is not None:
-            return
-        reported = target.client.weight_version()
-        stale = self.state.global_step > 0 or reported not in (None, "default", "0")
-        if self.weight_sync.broadcast_from_main(stale if self.accelerator.is_main_process else None):
-            self.sync_weights([target])
-        else:
-            target.version = reported
 
     def _ensure_reference_weights(self) -> None:
         """Keep the reference server on the last synced reference (restored on resume, reloaded after a restart)."""
@@ -282,28 +163,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
         if target.client.weight_version() != target.version:
             self.weight_sync.repush(target)
 
-    # --------------------------------------------------------------- helpers
-    def _remote_sampling_params(self) -> dict:
-        params = {
-            "max_new_tokens": self.max_completion_length,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k if self.top_k and self.top_k > 0 else -1,
-            "stop_token_ids": list(self.eos_token_ids),
-        }
-        if self.min_p is not None:
-            params["min_p"] = self.min_p
-        if self.repetition_penalty != 1.0:
-            params["repetition_penalty"] = self.repetition_penalty
-        params.update(self.args.generation_kwargs or {})
-        return params
-
-    def _sampling_seeds(self, count: int, salt: int = 0) -> list[int]:
-        """One seed per sample, a function of (seed, step, mode, rank, salt): a retried or resumed step samples the same."""
-        mode = "train" if self.model.training else "eval"
-        rng = random.Random(f"{self.args.seed}/{self.state.global_step}/{mode}/{self.accelerator.process_index}/{salt}")
-        return [rng.getrandbits(63) for _ in range(count)]
-
+    # ------------------------------------------------------------- lifecycle
     def train(self, *args, **kwargs):
         try:
             result = super().train(*args, **kwargs)
@@ -315,9 +175,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
             )
             raise
         finally:
-            if self.rollouts is not None:
-                self.rollouts.shutdown()
-                self.rollouts, self._lookahead = None, None
+            if self.remote_generation is not None:
+                self.remote_generation.close()
         self.weight_sync.wait_durable()  # the last dumps on disk and their syncs logged before train() returns
         return result
 
@@ -346,38 +205,23 @@ class WeightSyncCallback(TrainerCallback):
         self.previous_epoch = state.epoch or 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
-        trainer, targets = self.trainer, []
-        if trainer.generation_target is not None and state.global_step % args.weight_sync_steps == 0:
-            targets.append(trainer.generation_target)
+        trainer, references = self.trainer, []
+        generation = trainer.remote_generation
+        generation_due = generation is not None and generation.sync_due(state.global_step)
         if args.sync_ref_model and reference_sync_due(args, state.global_step, self.previous_epoch, state.epoch):
             if trainer.reference_target is not None:
-                targets.append(trainer.reference_target)
+                references.append(trainer.reference_target)
             else:
                 trainer.sync_local_reference()
         self.previous_epoch = state.epoch
-        if targets:
-            trainer.sync_weights(targets)
+        if generation_due or references:
+            trainer.sync_weights(generation_due, references)
 
 
 def reference_sync_due(args: RemoteGRPOConfig, step: int, previous_epoch: float, epoch: float) -> bool:
     if args.ref_model_sync_epochs is not None:
         return epochs_crossed(previous_epoch, epoch, args.ref_model_sync_epochs)
     return step % args.ref_model_sync_steps == 0
-
-
-def version_number(version: Optional[str]) -> int:
-    """A weight version as a step number: `"12"` -> 12, `"ref-12"` -> 12; the server's initial `"default"` -> 0."""
-    text = str(version or "").rsplit("-", 1)[-1]
-    return int(text) if text.isdigit() else 0
-
-
-def group_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], int]:
-    """`(unique prompts, n)` when the list is runs of `n` identical prompts (TRL's layout), else `(prompts, 1)`."""
-    if n > 1 and len(prompt_ids) % n == 0:
-        unique = prompt_ids[::n]
-        if all(prompt_ids[i] == unique[i // n] for i in range(len(prompt_ids))):
-            return unique, n
-    return prompt_ids, 1
 
 
 def remote_completion_logps(client: SGLangClient, input_ids: torch.Tensor, attention_mask: torch.Tensor,

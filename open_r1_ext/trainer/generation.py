@@ -1,0 +1,323 @@
+"""Remote generation for `RemoteGRPOTrainer`, in the shape of TRL's `VLLMGeneration`: the trainer's hooks call
+`generate()`, `sync_weights()`, `batches()` and `close()`. `RemoteGeneration` samples a batch when the trainer asks;
+`AsyncRemoteGeneration` reads batches ahead and samples them on a rollout thread while the current step trains.
+Both own the generation server's client, its weight-sync target, the per-sample seeds and the staleness log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from open_r1_ext.openai_client import OpenAICompletionsClient
+from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, Completion, sampling_params
+from open_r1_ext.sglang_client import SGLangClient
+from open_r1_ext.trainer.config import RemoteGRPOConfig
+from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+
+def server_client(args: RemoteGRPOConfig, url: str) -> SGLangClient:
+    """An `SGLangClient` for `url` with the config's key, timeout, retries and batch budget."""
+    return SGLangClient(url, api_key=args.server_api_key, request_timeout=args.request_timeout,
+                        max_retries=args.max_retries, max_batch_tokens=args.max_batch_tokens)
+
+
+def remote_generation(trainer, weight_sync: WeightSync) -> Optional["RemoteGeneration"]:
+    """The generation object `trainer.args` asks for (None without `generation_url`: TRL generates)."""
+    args = trainer.args
+    if not args.generation_url:
+        return None
+    if args.generation_backend == "openai":
+        client = OpenAICompletionsClient(args.generation_url, tokenizer=trainer.processing_class,
+                                         model=args.generation_model_name, api_key=args.server_api_key,
+                                         request_timeout=args.request_timeout, max_retries=args.max_retries)
+    else:
+        client = server_client(args, args.generation_url)
+    kind = AsyncRemoteGeneration if args.async_generation else RemoteGeneration
+    return kind(trainer, client, weight_sync)
+
+
+class RemoteGeneration:
+    """Samples each generation batch on the server when the trainer asks for it.
+
+    Args:
+        trainer (`RemoteGRPOTrainer`): read for its sampling settings, step, mode, rank, model and metrics.
+        client (`SGLangClient` or `OpenAICompletionsClient`): the generation server.
+        weight_sync (`WeightSync`): dumps the policy; with `weight_sync_steps > 0` the server reloads each dump
+            (`target`, registered with `weight_sync`).
+    """
+
+    def __init__(self, trainer, client, weight_sync: WeightSync):
+        self.trainer = trainer
+        self.client = client
+        self.weight_sync = weight_sync
+        self.target: Optional[SyncTarget] = None
+        if trainer.args.weight_sync_steps > 0:
+            self.target = SyncTarget("generation", getattr(client, "http", client))
+            weight_sync.targets.append(self.target)
+        self._weights_checked = False
+
+    # ------------------------------------------------------------ interface
+    def generate(self, prompt_ids: list[list[int]], num_generations: int) -> list[Completion]:
+        """One completion per entry of `prompt_ids` (TRL's layout: each prompt repeated `num_generations` times)."""
+        self.ensure_weights()
+        completions = self._job(prompt_ids, num_generations, self._seeds(len(prompt_ids)))()
+        self._log_rollout(completions)
+        return completions
+
+    def batches(self, epoch_iterator: Iterator) -> Iterator:
+        """The training loop's batches, read through this object (the async variant reads ahead)."""
+        return epoch_iterator
+
+    def sync_due(self, step: int) -> bool:
+        return self.target is not None and step % self.trainer.args.weight_sync_steps == 0
+
+    def sync_weights(self, step: int, references: list[SyncTarget]) -> None:
+        """Dump the policy of `step`; the generation server and `references` reload it (every rank calls this).
+        A failed reload stops training unless only generation failed and its weights are at most
+        `max_weight_staleness` steps old."""
+        error = self.weight_sync.sync(self.trainer.model, step, [self.target, *references])
+        if error is None:
+            return
+        stale = step - (self.target.step or 0)
+        allowed = self.trainer.args.max_weight_staleness
+        if not references and stale <= allowed:
+            logger.warning("weight sync at step %d failed (%s); generating from weights %d step(s) old "
+                           "(max_weight_staleness=%d)", step, error, stale, allowed)
+            return
+        raise WeightSyncError(
+            f"{error}\nStopping at step {step} rather than training on stale weights (set max_weight_staleness > 0 "
+            "to tolerate a few failed reloads)."
+        )
+
+    def close(self) -> None:
+        """End of `train()`."""
+
+    # -------------------------------------------------------------- shared
+    def ensure_weights(self) -> None:
+        """At the first generation of this process, make the server hold the trainer's weights (e.g. on resume)."""
+        if self.target is None or self._weights_checked:
+            return
+        self._weights_checked = True
+        trainer = self.trainer
+        stale = None
+        if trainer.accelerator.is_main_process:
+            reported = self.target.client.weight_version()
+            stale = trainer.state.global_step > 0 or reported not in (None, DEFAULT_WEIGHT_VERSION, "0")
+            if not stale:
+                self.target.version = reported
+        if self.weight_sync.broadcast_from_main(stale):
+            self.sync_weights(trainer.state.global_step, [])
+        else:
+            self.weight_sync.share_state([self.target])
+
+    def _job(self, prompt_ids, num_generations: int, seeds: list[int]) -> Callable[[], list[Completion]]:
+        """A callable that generates the completions of `prompt_ids` (on this thread or the rollout thread)."""
+        unique, n = group_repeated_prompts(prompt_ids, num_generations)
+        sampling = self._sampling_params()
+
+        def generate() -> list[Completion]:
+            completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
+            target = self.target
+            if target is not None and any(version_number(c.weight_version) < version_number(target.version)
+                                          for c in completions if c.weight_version is not None):
+                self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
+                completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
+            return completions
+
+        return generate
+
+    def _sampling_params(self) -> dict:
+        trainer = self.trainer
+        return sampling_params(trainer.max_completion_length, temperature=trainer.temperature, top_p=trainer.top_p,
+                               top_k=trainer.top_k, stop_token_ids=trainer.eos_token_ids, min_p=trainer.min_p,
+                               repetition_penalty=trainer.repetition_penalty, **(trainer.args.generation_kwargs or {}))
+
+    def _seeds(self, count: int, salt: int = 0) -> list[int]:
+        trainer = self.trainer
+        return sampling_seeds(trainer.args.seed, trainer.state.global_step, "train" if trainer.model.training else "eval",
+                              trainer.accelerator.process_index, count, salt)
+
+    def _log_rollout(self, completions: list[Completion]) -> None:
+        """Log each batch's weight version and staleness (steps between the weights it was sampled from and the
+        policy it trains); stop if it exceeds `max_weight_staleness` (plus the steps between two syncs)."""
+        trainer, args = self.trainer, self.trainer.args
+        versions = [version_number(c.weight_version) for c in completions if c.weight_version is not None]
+        if not versions or self.target is None or not trainer.model.training:
+            return
+        step, oldest = trainer.state.global_step, min(versions)
+        staleness = step - oldest
+        trainer._metrics["train"]["remote/staleness"].append(float(staleness))
+        if trainer.accelerator.is_main_process:
+            with open(Path(args.output_dir) / "rollouts.jsonl", "a") as log:
+                log.write(json.dumps({"step": step + 1, "weight_version": oldest, "staleness": staleness}) + "\n")
+        allowed = args.max_weight_staleness + args.weight_sync_steps - 1
+        if staleness > allowed:
+            raise WeightSyncError(
+                f"the batch for step {step + 1} was sampled from weights of step {oldest}, {staleness} steps old (at "
+                f"most {allowed} allowed by max_weight_staleness): the generation server is not taking the new weights "
+                "(see the warnings above)"
+            )
+
+
+class AsyncRemoteGeneration(RemoteGeneration):
+    """Overlaps generation with training: `batches()` reads `max_weight_staleness` generation batches ahead and
+    queues their generation on one rollout thread per rank, in order with the generation server's reloads.
+
+    FIFO order is the staleness bound: a batch read ahead while step N trains is generated after the reload of the
+    weights of step N - depth, and reloads always fall between two generation batches. The reference server (if
+    synced) reloads at the sync itself, so the next step's reference log-probs come from the new reference.
+    """
+
+    def __init__(self, trainer, client, weight_sync: WeightSync):
+        super().__init__(trainer, client, weight_sync)
+        self._rollouts: Optional[RolloutQueue] = None
+        self._lookahead: Optional[LookaheadIterator] = None
+
+    @property
+    def rollouts(self) -> "RolloutQueue":
+        if self._rollouts is None:
+            self._rollouts = RolloutQueue()
+        return self._rollouts
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int) -> list[Completion]:
+        announced = self.rollouts.take(prompts_key(prompt_ids))
+        if announced is None:  # not read ahead (e.g. the first batch after a resume, or eval): generate it now, in order
+            self.ensure_weights()
+            announced = self.rollouts.submit(self._job(prompt_ids, num_generations, self._seeds(len(prompt_ids))))
+        completions = announced.result()
+        self._log_rollout(completions)
+        return completions
+
+    def batches(self, epoch_iterator: Iterator) -> Iterator:
+        if self._lookahead is None or self._lookahead.source is not epoch_iterator:
+            period = self.trainer.args.steps_per_generation * self.trainer.num_iterations
+            self._lookahead = LookaheadIterator(epoch_iterator, self._announce, self.trainer.args.max_weight_staleness,
+                                                period)
+        return self._lookahead
+
+    def _announce(self, batch) -> None:
+        """A generation batch read ahead: queue its generation behind the reloads queued so far."""
+        self.ensure_weights()
+        prompt_ids, _, _ = self.trainer._tokenize_prompts([example["prompt"] for example in batch])
+        seeds = self._seeds(len(prompt_ids), salt=self._lookahead.read if self._lookahead else 0)
+        self.rollouts.submit_generation(prompts_key(prompt_ids), self._job(prompt_ids, self.trainer.num_generations, seeds))
+
+    def sync_weights(self, step: int, references: list[SyncTarget]) -> None:
+        """Dump now; the reference servers reload now, the generation server's reload is queued on the rollout
+        thread (a failure there is logged, and the staleness check of the next batches decides whether to stop)."""
+        path, error = self.weight_sync.dump(self.trainer.model, step)
+        if error is not None:
+            raise WeightSyncError(error)
+        if references and (error := self.weight_sync.publish(references, path, step)) is not None:
+            raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
+        self.weight_sync.share_state([self.target])
+        if self.trainer.accelerator.is_main_process:
+            self.rollouts.submit(lambda: self._push_logged(path, step))
+
+    def _push_logged(self, path: Path, step: int) -> None:
+        try:
+            self.weight_sync.push_and_confirm([self.target], path, step)
+        except WeightSyncError as err:
+            logger.warning("weight sync of step %d failed: %s", step, err)
+
+    def close(self) -> None:
+        """Cancel what was read ahead and stop the rollout thread (a later `train()` starts a new one)."""
+        if self._rollouts is not None:
+            self._rollouts.shutdown()
+        self._rollouts, self._lookahead = None, None
+
+
+class LookaheadIterator:
+    """Yields the batches of `source` unchanged while reading ahead; `announce(batch)` sees each batch early.
+
+    Only every `period`-th batch is announced (TRL reuses one generation batch for `steps_per_generation x
+    num_iterations` consecutive steps), up to `depth` announced batches beyond the one being trained.
+    """
+
+    def __init__(self, source: Iterator, announce: Callable[[Any], None], depth: int, period: int):
+        self.source = source
+        self.announce = announce
+        self.depth = depth
+        self.period = period
+        self.buffer: deque = deque()
+        self.read = 0  # batches read from source so far
+        self.exhausted = False
+
+    def __iter__(self) -> "LookaheadIterator":
+        return self
+
+    def __next__(self):
+        self._fill(ahead=self.depth * self.period + 1)
+        if not self.buffer:
+            raise StopIteration
+        return self.buffer.popleft()
+
+    def _fill(self, ahead: int) -> None:
+        while not self.exhausted and len(self.buffer) < ahead:
+            try:
+                batch = next(self.source)
+            except StopIteration:
+                self.exhausted = True
+                return
+            if self.read % self.period == 0:
+                self.announce(batch)
+            self.read += 1
+            self.buffer.append(batch)
+
+
+class RolloutQueue:
+    """One background thread running generation and reload jobs in order; generation results are keyed by prompts."""
+
+    def __init__(self):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open_r1_ext-rollout")
+        self._pending: dict[tuple, Future] = {}
+
+    def submit(self, job: Callable[[], Any]) -> Future:
+        return self._executor.submit(job)
+
+    def submit_generation(self, key: tuple, job: Callable[[], Any]) -> None:
+        if key not in self._pending:
+            self._pending[key] = self.submit(job)
+
+    def take(self, key: tuple) -> Optional[Future]:
+        """The announced generation for these prompts, if any (each is taken once)."""
+        return self._pending.pop(key, None)
+
+    def shutdown(self) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self._executor.shutdown(wait=True)
+
+
+def prompts_key(prompt_ids) -> tuple:
+    return tuple(tuple(int(t) for t in ids) for ids in prompt_ids)
+
+
+def sampling_seeds(seed: int, step: int, mode: str, rank: int, count: int, salt: int = 0) -> list[int]:
+    """One seed per sample, a function of (seed, step, mode, rank, salt): a retried or resumed step samples the same."""
+    rng = random.Random(f"{seed}/{step}/{mode}/{rank}/{salt}")
+    return [rng.getrandbits(63) for _ in range(count)]
+
+
+def version_number(version: Optional[str]) -> int:
+    """A weight version as a step number: `"12"` -> 12, `"ref-12"` -> 12; the server's initial `"default"` -> 0."""
+    text = str(version or "").rsplit("-", 1)[-1]
+    return int(text) if text.isdigit() else 0
+
+
+def group_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], int]:
+    """`(unique prompts, n)` when the list is runs of `n` identical prompts (TRL's layout), else `(prompts, 1)`."""
+    if n > 1 and len(prompt_ids) % n == 0:
+        unique = prompt_ids[::n]
+        if all(prompt_ids[i] == unique[i // n] for i in range(len(prompt_ids))):
+            return unique, n
+    return prompt_ids, 1

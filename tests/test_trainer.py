@@ -8,10 +8,11 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.protocol import Completion
 from open_r1_ext.sglang_client import ServerError
 from open_r1_ext.launch.local_server import BuiltinServer, free_port
 from open_r1_ext.trainer.remote_trainer import RemoteReference
-from tests.helpers import KillServerAt, model_variant, reward_len, tiny_config, tiny_dataset, tiny_settings
+from tests.helpers import KillServerAt, model_variant, restore_default_weights, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 
 def losses_and_kl(trainer):
@@ -143,3 +144,74 @@ def test_openai_backend_with_token_ids_and_text_only(tiny_model, server, tmp_pat
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+def test_tool_calls_take_their_next_turn_from_the_server(tiny_model, server, tmp_path):
+    """TRL's tool loop reads `use_vllm` (on here: it switches TRL's importance-sampling correction) together with
+    `vllm_mode == "colocate"` to reach for a local vLLM engine; with remote generation the next turn comes from the
+    server instead."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = qwen2_5_chat_template  # a template TRL knows how to parse tool calls from
+    args = tiny_config(tmp_path, max_steps=1, generation_url=server.url, weight_sync_steps=0, beta=0.0,
+                       max_completion_length=128)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
+                                processing_class=tokenizer, tools=[multiply])
+    assert trainer.use_vllm and trainer.vllm_mode != "colocate"
+    client = trainer.remote_generation.client
+    real_generate, calls = client.generate, []
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>'
+    call_ids = tokenizer(call, add_special_tokens=False)["input_ids"]
+
+    def model_calls_the_tool_first(prompts, sampling, n=1, seeds=None):
+        groups = real_generate(prompts, sampling, n=n, seeds=seeds)
+        calls.append((prompts, n))
+        if len(calls) == 1:  # the tiny random model never calls a tool by itself: its first turn does here
+            groups = [[Completion(call_ids, [-1.0] * len(call_ids), "stop", c.weight_version) for c in g] for g in groups]
+        return groups
+
+    client.generate = model_calls_the_tool_first
+    trainer.train()
+    assert trainer.state.global_step == 1
+    (_, first_n), (next_turn, next_n) = calls
+    assert first_n == 4 and next_n == 1 and len(next_turn) == 4  # each sample continues its own history
+    assert all("42" in tokenizer.decode(ids) for ids in next_turn)  # the tool's answer is in the next turn's prompt
+
+
+def test_generation_object_sync_and_async_behind_one_interface(tiny_model, server, tmp_path):
+    from open_r1_ext.trainer.generation import AsyncRemoteGeneration, RemoteGeneration, sampling_seeds
+
+    prompts = [[5, 17, 42]] * 4 + [[1, 2]] * 4  # TRL's layout: each prompt repeated num_generations times
+    for kind in (RemoteGeneration, AsyncRemoteGeneration):
+        args = tiny_config(tmp_path / kind.__name__, generation_url=server.url, beta=0.0,
+                           async_generation=kind is AsyncRemoteGeneration)
+        trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+        generation = trainer.remote_generation
+        assert type(generation) is kind
+        completions = generation.generate(prompts, num_generations=4)
+        assert len(completions) == 8 and {c.weight_version for c in completions} == {"default"}
+        assert len({tuple(c.token_ids) for c in completions[:4]}) > 1  # each copy has its own seed
+        # seeds are a function of (seed, step, mode, rank): asked again, the server samples the same
+        assert [c.token_ids for c in generation.generate(prompts, 4)] == [c.token_ids for c in completions]
+        generation.sync_weights(1, references=[])
+        generation.close()  # the async variant's reload was queued on its rollout thread: close() drains it
+        assert generation.target.version == "1" and generation.client.weight_version() == "1"
+        trainer.weight_sync.wait_durable()
+        restore_default_weights(server.url, tiny_model)
+    base = sampling_seeds(42, 3, "train", 0, 4)
+    assert base == sampling_seeds(42, 3, "train", 0, 4) and len(set(base)) == 4
+    for other in ((43, 3, "train", 0), (42, 4, "train", 0), (42, 3, "eval", 0), (42, 3, "train", 1)):
+        assert sampling_seeds(*other, 4) != base
+    assert sampling_seeds(42, 3, "train", 0, 4, salt=1) != base

@@ -40,7 +40,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(err, file=sys.stderr)
             failed += 1
             continue
-        print(f"{path}: ok ({recipe.server.engine} server, {recipe.slurm.trainer.num_processes} trainer process(es))")
+        print(f"{path}: ok ({recipe.servers.describe()}; {recipe.slurm.trainer.num_processes} trainer process(es))")
     return 1 if failed else 0
 
 

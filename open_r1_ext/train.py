@@ -3,7 +3,8 @@
 Reads top to bottom as the story of a run: load and validate the recipe, find the last checkpoint, load the
 prompts and rewards, find (or, for the built-in engine on a laptop, start) the servers, build the trainer,
 train, save. Server URLs come from `--server-url`/`--ref-url`, else the launcher's environment
-(`OPEN_R1_EXT_SERVER_URL`, `OPEN_R1_EXT_REF_URL`), else the recipe's `server.url`/`server.ref_url`.
+(`OPEN_R1_EXT_SERVER_URL`, `OPEN_R1_EXT_REF_URL`), else the recipe's
+`servers.generation.url`/`servers.reference.url`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Iterator, Optional
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from open_r1_ext.launch.recipe import Recipe, RecipeError, load_recipe
+from open_r1_ext.launch.recipe import Recipe, RecipeError, ServerSpec, load_recipe
 
 logger = logging.getLogger("open_r1_ext.train")
 SERVER_URL_ENV, REF_URL_ENV = "OPEN_R1_EXT_SERVER_URL", "OPEN_R1_EXT_REF_URL"
@@ -43,8 +44,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="the recipe YAML")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe value, e.g. --set trainer.max_steps=5 (repeatable)")
-    parser.add_argument("--server-url", default=None, help="generation (and, with layout: shared, reference) server")
-    parser.add_argument("--ref-url", default=None, help="reference server, with layout: separate")
+    parser.add_argument("--server-url", default=None, help="generation server (and the reference's, with reference: generation)")
+    parser.add_argument("--ref-url", default=None, help="reference server, when the reference has a server of its own")
     return parser.parse_args(argv)
 
 
@@ -94,32 +95,34 @@ def build_rewards(recipe: Recipe) -> list:
 @contextlib.contextmanager
 def servers(recipe: Recipe, server_url: Optional[str], ref_url: Optional[str]) -> Iterator[tuple[Optional[str], Optional[str]]]:
     """`(generation_url, ref_model_url)`: given, from the environment or recipe, or embedded built-in servers."""
-    server = recipe.server
-    server_url = server_url or os.environ.get(SERVER_URL_ENV) or server.url
-    ref_url = ref_url or os.environ.get(REF_URL_ENV) or server.ref_url
-    needs_ref_server = server.layout == "separate"
+    given = {"generation": server_url or os.environ.get(SERVER_URL_ENV),
+             "reference": ref_url or os.environ.get(REF_URL_ENV)}
+    urls: dict[str, Optional[str]] = {}
     with contextlib.ExitStack() as stack:
-        if server_url is None or (needs_ref_server and ref_url is None):
-            if server.engine != "builtin":
-                raise SystemExit(
-                    f"{recipe.path}: no {server.engine} server URL. Start one (sbatch slurm/serve.slurm {recipe.path}), "
-                    "or pass --server-url, or set server.url; only engine: builtin starts an embedded server."
-                )
-            if server_url is None:
-                server_url = stack.enter_context(embedded_server(recipe, "server")).url
-            if needs_ref_server and ref_url is None:
-                ref_url = stack.enter_context(embedded_server(recipe, "ref-server")).url
-        yield recipe.role_urls(server_url, ref_url)
+        for role, spec in recipe.servers.specs().items():
+            urls[role] = given[role] or spec.url
+            if urls[role] is None:
+                if spec.engine != "builtin":
+                    raise SystemExit(
+                        f"{recipe.path}: no URL for the {spec.engine} {role} server. Start one (sbatch slurm/serve.slurm "
+                        f"{recipe.path}), or pass --server-url/--ref-url, or set servers.{role}.url; only engine: builtin "
+                        "starts an embedded server."
+                    )
+                urls[role] = stack.enter_context(embedded_server(recipe, role, spec)).url
+        yield recipe.role_urls(urls.get("generation"), urls.get("reference"))
 
 
-def embedded_server(recipe: Recipe, name: str):
+def embedded_server(recipe: Recipe, role: str, spec: ServerSpec):
+    """A built-in server on this machine for `role` (`generation` or `reference`)."""
     from open_r1_ext.launch.local_server import BuiltinServer
 
-    log = Path(recipe.output_dir) / f"{name}.log"
+    log = Path(recipe.output_dir) / f"{role}-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("starting an embedded built-in server on %s (log: %s)", recipe.server_model_path, log)
-    return BuiltinServer(recipe.server_model_path, log_path=str(log),
-                         extra_args=("--dtype", recipe.server.dtype, *map(str, recipe.server.extra_args)))
+    model_path = recipe.model_path(spec)
+    logger.info("starting an embedded built-in %s server on %s (log: %s)", role, model_path, log)
+    no_ref_slot = () if recipe.servers.ref_slot(role) else ("--no-ref-slot",)
+    return BuiltinServer(model_path, log_path=str(log),
+                         extra_args=("--dtype", spec.dtype, *no_ref_slot, *map(str, spec.extra_args)))
 
 
 class StepPrinter(TrainerCallback):

@@ -33,7 +33,7 @@ from test_slurm import (  # noqa: F401 - slurm_cluster and tiny_run are fixtures
 
 def processes_of(run) -> list[str]:
     """Command lines of the processes still serving or training on this run's server ports (server, ref-server)."""
-    port = int(next(o for o in run.overrides if o.startswith("server.port=")).split("=", 1)[1])
+    port = int(next(o for o in run.overrides if o.startswith("servers.generation.port=")).split("=", 1)[1])
     ports = {str(port), str(port + 1)}
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -41,7 +41,7 @@ def processes_of(run) -> list[str]:
             words = cmdline.read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if any(a == "--port" and b in ports for a, b in zip(words, words[1:])) or f"--set=server.port={port}" in words:
+        if any(a == "--port" and b in ports for a, b in zip(words, words[1:])) or f"--set=servers.generation.port={port}" in words:
             found.append(" ".join(words))
     return found
 
@@ -51,7 +51,8 @@ def test_launch_runs_the_servers_then_the_trainer_and_cancels_the_servers(execut
     if executor == "slurm":
         request.getfixturevalue("slurm_cluster")
     monkeypatch.chdir(REPO)  # recipe paths are relative to the repository root, as for sbatch
-    tiny_run.overrides.append(f"server.layout={layout}")
+    reference = {"shared": "generation", "separate": "{dtype: float32, resources: {gpus_per_node: 0, cpus_per_task: 1}}"}
+    tiny_run.overrides.append(f"servers.reference={reference[layout]}")
     lines: list[str] = []
     code = launch(load_recipe(RECIPE, tiny_run.overrides), EXECUTORS[executor], tiny_run.overrides, echo=lines.append)
     output, status = "\n".join(lines), tiny_run.status()
@@ -88,7 +89,7 @@ def test_interrupted_launch_cancels_its_jobs(slurm_cluster, tiny_run):
 
 def test_dry_run_prints_both_jobs_and_submits_nothing(slurm_cluster, tiny_run):
     result = run_script(sys.executable, "-m", "open_r1_ext.cli", "launch", RECIPE, *tiny_run.set_args,
-                        "--set", "server.layout=separate", "--dry-run")
+                        "--set", "servers.reference={resources: {gpus_per_node: 0}}", "--dry-run")
     assert result.returncode == 0, result.stderr
     out, name = result.stdout, tiny_run.job_name
     for role in ("server", "ref-server", "trainer"):
@@ -102,9 +103,9 @@ def test_dry_run_prints_both_jobs_and_submits_nothing(slurm_cluster, tiny_run):
 
 def test_invalid_recipe_launches_nothing(slurm_cluster, tiny_run):
     result = run_script(sys.executable, "-m", "open_r1_ext.cli", "launch", RECIPE, *tiny_run.set_args,
-                        "--set", "server.layout=sideways")
+                        "--set", "servers.reference=sideways")
     assert result.returncode == 2
-    assert "server.layout: 'sideways' is not one of shared, separate" in result.stderr
+    assert "servers.reference: 'sideways' is not one of generation, local, none" in result.stderr
     assert "nothing submitted" in result.stderr
     assert not tiny_run.jobs() and not tiny_run.run_dir.exists()
 

@@ -8,6 +8,8 @@ import pytest
 import yaml
 
 from open_r1_ext.launch.recipe import RecipeError, load_recipe
+from open_r1_ext.launch.slurm_plan import ShellVar, SlurmPlan, shell_join
+from open_r1_ext.train import servers
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(REPO.glob("recipes/*/grpo/*.yaml")) + [REPO / "recipes/tiny/grpo.yaml"]
@@ -45,25 +47,43 @@ def test_real_model_recipes_say_what_they_need():
         assert any(line.startswith("# Needs:") for line in first), path
 
 
+SGLANG = {"engine": "sglang", "resources": {"nodes": 1, "gpus_per_node": 1}}
+
 BAD = [
     # (what to change, expected key, expected message)
     (lambda r: r["model"].update(dtyp="float32"), "model.dtyp", "did you mean 'dtype'"),
     (lambda r: r["trainer"].update(learning_rat=1e-3), "trainer.learning_rat", "did you mean 'learning_rate'"),
     (lambda r: r.update(trainr={}), "trainr", "did you mean 'trainer'"),
     (lambda r: r["trainer"].update(max_steps="ten"), "trainer.max_steps", "expected an integer"),
-    (lambda r: r["server"].update(tp_size="4"), "server.tp_size", "expected an integer"),
+    (lambda r: r["servers"]["generation"].update(tp_size="4"), "servers.generation.tp_size", "expected an integer"),
     (lambda r: r["model"].update(name_or_path="./no/such/model"), "model.name_or_path", "does not exist"),
     (lambda r: r["data"].update(dataset="./missing.jsonl"), "data.dataset", "does not exist"),
     (lambda r: r["trainer"].update(per_device_train_batch_size=3), "trainer.num_generations", "not divisible by num_generations=4"),
     (lambda r: r["trainer"].update(num_generations=1, per_device_train_batch_size=8), "trainer.num_generations", "at least 2"),
-    (lambda r: (r["server"].update(engine="sglang", tp_size=4, layout="separate"), r["slurm"]["server"].update(gpus_per_node=2)),
-     "server.tp_size", "needs more GPUs"),
-    (lambda r: r["server"].update(engine="sglang"), "server.layout", "use layout: separate"),
-    (lambda r: (r["server"].update(engine="sglang", layout="separate"), r["sync"].update(sync_ref_model=True, ref_model_mixup_alpha=0.5)),
+    (lambda r: r["servers"].update(generation=SGLANG | {"tp_size": 4, "resources": {"gpus_per_node": 2}}, reference=SGLANG),
+     "servers.generation.tp_size", "needs more GPUs"),
+    (lambda r: r["servers"]["generation"].update(SGLANG), "servers.reference", "give the reference a server of its own"),
+    (lambda r: (r["servers"].update(generation=SGLANG, reference=SGLANG), r["sync"].update(sync_ref_model=True, ref_model_mixup_alpha=0.5)),
      "sync.ref_model_mixup_alpha", "cannot mix"),
     (lambda r: r["trainer"].update(min_p=0.1), "trainer.min_p", "built-in server does not support"),
-    (lambda r: r["server"].update(engine="openai"), "server.url", "already running"),
-    (lambda r: r["server"].update(engine="vllm"), "server.engine", "not one of builtin, sglang, openai"),
+    (lambda r: r["servers"]["generation"].update(engine="openai"), "servers.generation.url", "already running"),
+    (lambda r: r["servers"]["generation"].update(engine="vllm"), "servers.generation.engine", "not one of builtin, sglang, openai"),
+    (lambda r: r["servers"].update(reference={"engine": "openai", "url": "http://h:1"}), "servers.reference.engine",
+     "cannot give reference log-probs"),
+    (lambda r: r["servers"].update(generation={"engine": "openai", "url": "http://h:1"}), "servers.reference",
+     "cannot give reference log-probs"),
+    (lambda r: r["servers"].update(generation="local"), "servers.reference", "generation: local runs none"),
+    (lambda r: r["servers"].update(reference="none"), "servers.reference", "needs a reference"),
+    (lambda r: (r["servers"].update(reference={}), r["trainer"].update(beta=0.0)), "servers.reference", "set reference: none"),
+    (lambda r: r["servers"].update(generation="local", reference="local"), "servers", "no server plays a role"),
+    (lambda r: r["servers"].update(reference="sideways"), "servers.reference",
+     "'sideways' is not one of generation, local, none, or a server spec"),
+    (lambda r: r["servers"].update(reference={"url": "node-3:30001"}), "servers.reference.url", "give a base URL"),
+    (lambda r: r["servers"]["generation"].update(tp_size=2), "servers.generation.tp_size", "one device of one node"),
+    (lambda r: r["servers"]["generation"]["resources"].update(nodes=0), "servers.generation.resources.nodes",
+     "must be >= 1, got 0"),
+    (lambda r: r["servers"].update(generaton={}), "servers.generaton", "did you mean 'generation'"),
+    (lambda r: r["sync"].update(ref_model_sync_epochs="half"), "sync.ref_model_sync_epochs", "expected an integer or a number"),
     (lambda r: r["rewards"].append({"name": "nosuch"}), "rewards[2].name", "unknown reward 'nosuch'"),
     (lambda r: r["sync"].update(ref_model_sync_epochs=1.5, sync_ref_model=True), "trainer", "a float must lie in (0, 1)"),
     (lambda r: r["sync"].update(weight_sync_stepz=2), "sync.weight_sync_stepz", "did you mean 'weight_sync_steps'"),
@@ -80,6 +100,26 @@ def test_each_kind_of_mistake_is_named(tmp_path, tiny_recipe, change, key, messa
         load_recipe(path)
     assert (key, ) == tuple(k for k, m in err.value.problems if message in m)[:1], err.value
     assert str(path) in str(err.value)
+
+
+REPLACED = [
+    # (old key given, what is reported, what replaced it)
+    ("server.layout=separate", "server.layout", "replaced by servers.reference"),
+    ("server.ref_url=http://h:1", "server.ref_url", "replaced by servers.reference: {url: URL}"),
+    ("server.port=31000", "server.port", "moved to servers.generation.port"),
+    ("server.reference=false", "server.reference", "`false` is `reference: local`"),
+    ("server.generation=false", "server.generation", "`false` is `generation: local`"),
+    ("server.api_key=k", "server.api_key", "moved to servers.api_key"),
+    ("slurm.server={nodes: 1}", "slurm.server", "moved to servers.generation.resources"),
+]
+
+
+@pytest.mark.parametrize("override,key,message", REPLACED, ids=[r[1] for r in REPLACED])
+def test_old_keys_say_what_replaced_them(tmp_path, tiny_recipe, override, key, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(write(tmp_path, tiny_recipe), [override])
+    assert [(k, m) for k, m in err.value.problems if k == key and message in m], err.value
+    assert len(err.value.problems) == 1, err.value  # the old key alone, not also as an unknown one
 
 
 def test_validate_cli_exits_non_zero_naming_file_and_key(tmp_path, tiny_recipe):
@@ -101,8 +141,8 @@ def test_not_yaml_and_not_a_file(tmp_path):
 
 def test_overrides_apply_and_are_validated(tmp_path, tiny_recipe):
     path = write(tmp_path, tiny_recipe)
-    recipe = load_recipe(path, ["trainer.max_steps=3", "server.port=31000"])
-    assert recipe.trainer["max_steps"] == 3 and recipe.server.port == 31000
+    recipe = load_recipe(path, ["trainer.max_steps=3", "servers.generation.port=31000"])
+    assert recipe.trainer["max_steps"] == 3 and recipe.servers.generation.port == 31000
     with pytest.raises(RecipeError, match="trainer.max_steps: expected an integer"):
         load_recipe(path, ["trainer.max_steps=three"])
     with pytest.raises(RecipeError, match="section.key=value"):
@@ -134,3 +174,49 @@ def test_new_recipe_copies_for_another_model(tmp_path):
     assert recipe.sync["sync_dir"] == "runs/Llama-3.1-8B-Instruct-grpo/weights"
     assert cli("new-recipe", "--from", "recipes/Qwen2.5-7B-Instruct/grpo/config_zero2.yaml",
                "--model", "x/y", str(out)).returncode == 2  # no silent overwrite
+
+
+G, R = "http://g:1", "http://r:2"  # the URLs the launchers pass for the server jobs they started
+PLACEMENTS = [
+    # (servers, beta, server jobs started, the trainer's (generation_url, ref_model_url))
+    ({"reference": "generation"}, 0.04, ["server"], (G, f"{G}/ref")),  # the built-in server's second slot
+    ({"generation": SGLANG, "reference": "generation"}, 0.0, ["server"], (G, None)),  # beta 0: no reference used
+    ({"reference": "local"}, 0.04, ["server"], (G, None)),  # TRL builds it on the trainer
+    ({"reference": "none"}, 0.0, ["server"], (G, None)),
+    ({"reference": {}}, 0.04, ["server", "ref-server"], (G, R)),  # a server of its own, started by the launchers
+    ({"reference": {"url": "http://r:9"}}, 0.04, ["server"], (G, "http://r:9")),  # already running: no job
+    ({"generation": "local", "reference": SGLANG}, 0.04, ["ref-server"], (None, R)),
+    ({"generation": {"engine": "openai", "url": "http://g:9"}, "reference": {"engine": "sglang", "url": "http://r:9"}},
+     0.04, [], ("http://g:9", "http://r:9")),
+]
+
+
+@pytest.mark.parametrize("placement,beta,jobs,urls", PLACEMENTS, ids=[str(p[0]) for p in PLACEMENTS])
+def test_each_reference_placement(tmp_path, tiny_recipe, placement, beta, jobs, urls):
+    tiny_recipe["servers"].update(placement)
+    tiny_recipe["trainer"]["beta"] = beta
+    recipe = load_recipe(write(tmp_path, tiny_recipe))
+    plan = SlurmPlan(recipe)
+    assert plan.server_roles == jobs
+    given = {"server": G, "ref-server": R}
+    with servers(recipe, *(given[role] if role in jobs else None for role in ("server", "ref-server"))) as found:
+        config = recipe.trainer_config(*found)
+    assert (config.generation_url, config.ref_model_url) == urls
+    if placement.get("generation") == "local":
+        assert config.generation_url is None  # TRL generates on the trainer
+
+
+def test_a_reference_server_listens_next_to_the_generation_server(tmp_path, tiny_recipe, tiny_model):
+    tiny_recipe["servers"]["reference"] = {"dtype": "float32", "resources": {"gpus_per_node": 0}}
+    path = write(tmp_path, tiny_recipe)
+    node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")
+    plan = SlurmPlan(load_recipe(path, ["servers.generation.port=31000"]))
+    assert (plan.port("server"), plan.port("ref-server")) == (31000, 31001)
+    assert plan.resources("ref-server").gpus_per_node == 0
+    # the reference lives elsewhere, so neither built-in server holds a second copy of the model
+    assert all(shell_join(plan.server_command(role, node, head)).endswith(f"--port {plan.port(role)} --dtype float32 --no-ref-slot")
+               for role in ("server", "ref-server"))
+    plan = SlurmPlan(load_recipe(path, ["servers.reference.port=32000"]))
+    assert plan.port("ref-server") == 32000
+    shared = SlurmPlan(load_recipe(write(tmp_path, dict(tiny_recipe, servers={"generation": {}}))))
+    assert "--no-ref-slot" not in shared.server_command("server", node, head)  # reference: generation by default

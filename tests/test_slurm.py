@@ -73,7 +73,7 @@ def tiny_run(tmp_path, tiny_model):
     """A fresh run; afterwards every job of it still queued is cancelled, whatever the test did."""
     name = f"t{uuid.uuid4().hex[:6]}"
     overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path / 'run'}",
-                 f"server.port={free_port()}", "trainer.max_steps=4", f"slurm.job_name={name}"]
+                 f"servers.generation.port={free_port()}", "trainer.max_steps=4", f"slurm.job_name={name}"]
     run = TinyRun(tmp_path / "run", name, overrides)
     try:
         yield run
@@ -147,9 +147,8 @@ def test_sbatch_options_come_from_the_recipe(tiny_model):
 
 
 def test_sglang_servers_span_nodes_and_the_trainer_gets_both_urls(tiny_model):
-    plan = tiny_plan(tiny_model, "server.engine=sglang", "server.layout=separate", "server.tp_size=16",
-                     "server.mem_fraction_static=0.8", "server.extra_args=[--enable-metrics]",
-                     "slurm.server={nodes: 2, gpus_per_node: 8}",
+    sglang = "engine: sglang, tp_size: 16, mem_fraction_static: 0.8, dtype: float32, resources: {nodes: 2, gpus_per_node: 8}"
+    plan = tiny_plan(tiny_model, f"servers.generation={{{sglang}}}", f"servers.reference={{{sglang}, extra_args: [--enable-metrics]}}",
                      "slurm.trainer={nodes: 2, gpus_per_node: 8}", "trainer.per_device_train_batch_size=4")
     assert plan.server_roles == ["server", "ref-server"]
     node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")
@@ -165,7 +164,7 @@ def test_sglang_servers_span_nodes_and_the_trainer_gets_both_urls(tiny_model):
 
 
 def test_slurm_env_is_shell_that_round_trips(tiny_model):
-    plan = tiny_plan(tiny_model, "server.api_key=it's $ecret", "trainer.output_dir=/runs/with space")
+    plan = tiny_plan(tiny_model, "servers.api_key=it's $ecret", "trainer.output_dir=/runs/with space")
     script = plan.shell_env() + 'printf "%s\\n" "$RUN_DIR" "${SERVER_ROLES[@]}" "${SERVER_SBATCH[@]: -2:1}" "$SERVER_CMD"'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[:3] == ["/runs/with space", "server", "--error=/runs/with space/logs/server-%j.err"]
@@ -231,7 +230,7 @@ def test_scancel_of_the_server_stops_the_trainer_with_an_error_naming_it(slurm_c
 
 
 def test_a_server_that_never_comes_up_fails_the_trainer_naming_the_server_job(slurm_cluster, tiny_run):
-    tiny_run.overrides.append("server.extra_args=[--no-such-flag]")
+    tiny_run.overrides.append("servers.generation.extra_args=[--no-such-flag]")
     submitted = run_script("bash", "slurm/grpo.slurm", RECIPE, *tiny_run.set_args)
     assert submitted.returncode == 0, submitted.stderr
     ids = tiny_run.job_ids()

@@ -1,29 +1,29 @@
-"""The recipe: one YAML file per run, validated in one place into dataclasses.
+"""The recipe: one YAML file per run, validated in one place into pydantic models.
 
-Sections: `model`, `data`, `rewards`, `trainer` (any `RemoteGRPOConfig` field), `server`, `sync`, `slurm`,
-`accelerate_config`. `load_recipe` reads the file, applies `key.path=value` overrides, and checks every key
-and value; a problem raises `RecipeError` listing each one with the file, the key and the fix. The trainer,
-the server scripts and the launcher read the resulting `Recipe`, never the YAML.
+Sections: `model`, `data`, `rewards`, `trainer` (any `RemoteGRPOConfig` field), `sync` (its weight- and
+reference-sync fields), `servers` (one spec per role: generation, reference), `slurm`, `accelerate_config`.
+`load_recipe` reads the file, applies `key.path=value` overrides, and checks every key and value; a problem raises
+`RecipeError` listing each one with the file, the key and the fix. The trainer, the server scripts and the
+launchers read the resulting `Recipe`, never the YAML.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
+import functools
 import re
-import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, create_model,
+                      field_validator, model_validator)
 
-ENGINES = ("builtin", "sglang", "openai")
-LAYOUTS = ("shared", "separate")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+REFERENCE_PORT_OFFSET = 1  # a reference server listens on the generation server's port + this, unless its spec says
 
 
 class RecipeError(ValueError):
@@ -36,18 +36,22 @@ class RecipeError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------- sections
-@dataclass
-class ModelSection:
+class Section(BaseModel):
+    """A recipe mapping: unknown keys are errors, and values are not coerced (`"4"` is not an integer)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelSection(Section):
     """The policy: `name_or_path` is a hub id (`org/name`) or a local directory (`/...`, `./...`, `../...`)."""
 
     name_or_path: str
-    dtype: str = "auto"
+    dtype: DType = "auto"
     attn_implementation: Optional[str] = None
     trust_remote_code: bool = False
 
 
-@dataclass
-class DataSection:
+class DataSection(Section):
     """The prompts: a hub dataset or a local `.json`/`.jsonl`/`.csv`/`.parquet` file."""
 
     dataset: str
@@ -57,59 +61,105 @@ class DataSection:
     system_prompt: Optional[str] = None
 
 
-@dataclass
-class RewardSpec:
+class RewardSpec(Section):
     """A reward: a built-in name or `package.module:function`, its weight, and keyword arguments."""
 
     name: str
     weight: float = 1.0
-    kwargs: dict = field(default_factory=dict)
+    kwargs: dict = {}
 
 
-@dataclass
-class ServerSection:
-    """Where the reference and generation run.
+class Resources(Section):
+    """The SLURM resources of one job: nodes, GPUs per node, CPUs per task, memory."""
 
-    `engine`: `builtin` (this package's server), `sglang`, or `openai` (an existing `/v1/completions` server at
-    `url`, generation only). `layout`: `shared` (one server hosts both roles) or `separate` (a second server, at
-    `ref_url` or started by the launcher, hosts the reference). `url`/`ref_url` point at servers already running;
-    otherwise the launcher starts them.
-    """
-
-    engine: str = "builtin"
-    model_path: Optional[str] = None
-    layout: str = "shared"
-    url: Optional[str] = None
-    ref_url: Optional[str] = None
-    reference: bool = True
-    generation: bool = True
-    port: int = 30000
-    tp_size: int = 1
-    dp_size: int = 1
-    mem_fraction_static: Optional[float] = None
-    dtype: str = "auto"
-    api_key: Optional[str] = None
-    extra_args: list = field(default_factory=list)
-
-
-@dataclass
-class SlurmJob:
-    """Resources of one job: nodes, GPUs per node, processes per node (default: one per GPU, or 1 on CPU)."""
-
-    nodes: int = 1
-    gpus_per_node: int = 8
-    processes_per_node: Optional[int] = None
-    cpus_per_task: Optional[int] = None
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=0)
+    cpus_per_task: Optional[int] = Field(None, ge=1)
     mem: Optional[str] = None
+
+
+class TrainerResources(Resources):
+    """The trainer job's resources, and its processes per node (default: one per GPU, or 1 on CPU)."""
+
+    processes_per_node: Optional[int] = Field(None, ge=1)
 
     @property
     def num_processes(self) -> int:
         return self.nodes * (self.processes_per_node or max(1, self.gpus_per_node))
 
 
-@dataclass
-class SlurmSection:
-    """sbatch settings shared by both jobs, and each job's resources."""
+class ServerSpec(Section):
+    """A role's own server: one the launchers start (`engine`, with `resources`), or one already running (`url`).
+
+    `engine`: `builtin` (this package's server, one device), `sglang`, or `openai` (an OpenAI-compatible
+    `/v1/completions` server already running at `url`; generation only).
+    """
+
+    engine: Literal["builtin", "sglang", "openai"] = "builtin"
+    url: Optional[str] = None
+    model_path: Optional[str] = None
+    port: int = 30000
+    tp_size: int = Field(1, ge=1)
+    dp_size: int = Field(1, ge=1)
+    mem_fraction_static: Optional[float] = Field(None, gt=0, le=1)
+    dtype: DType = "auto"
+    extra_args: list[Union[str, int, float]] = []
+    resources: Resources = Field(default_factory=Resources)
+
+    @property
+    def started(self) -> bool:
+        """Whether the launchers start this server (no `url` given)."""
+        return self.url is None
+
+
+def _spec_or_placement(value: Any) -> str:
+    return "spec" if isinstance(value, (dict, ServerSpec)) else "placement"
+
+
+def _role(*placements: str):
+    """A role's field: one of `placements`, or a `ServerSpec` mapping (its own server)."""
+    return Annotated[Union[Annotated[Literal[placements], Tag("placement")], Annotated[ServerSpec, Tag("spec")]],
+                     Discriminator(_spec_or_placement)]
+
+
+class Servers(Section):
+    """Where each role runs. `generation`: a server spec, or `local` (TRL generates on the trainer). `reference`:
+    `generation` (a slot of the generation server: the built-in server's `/ref`), `local` (TRL builds it on the
+    trainer), `none` (no reference: `beta: 0`), or a server spec of its own."""
+
+    api_key: Optional[str] = None
+    generation: _role("local") = Field(default_factory=ServerSpec)
+    reference: _role("generation", "local", "none") = "generation"
+
+    @model_validator(mode="after")
+    def _reference_port(self) -> "Servers":
+        """A reference server without a port listens next to the generation server, so both fit on one node."""
+        if isinstance(self.reference, ServerSpec) and "port" not in self.reference.model_fields_set:
+            base = self.generation.port if isinstance(self.generation, ServerSpec) else ServerSpec().port
+            self.reference.port = base + REFERENCE_PORT_OFFSET
+        return self
+
+    def specs(self) -> dict[str, ServerSpec]:
+        """The roles on servers of their own: `{"generation": spec, "reference": spec}`, or fewer."""
+        roles = {"generation": self.generation, "reference": self.reference}
+        return {role: spec for role, spec in roles.items() if isinstance(spec, ServerSpec)}
+
+    def ref_slot(self, role: str) -> bool:
+        """Whether `role`'s built-in server keeps its second model slot (`/ref`): only the generation server that the
+        reference lives in; any other starts with `--no-ref-slot`, holding no second copy of the model."""
+        return role == "generation" and self.reference == "generation"
+
+    def describe(self) -> str:
+        """`generation on a builtin server, reference in the generation server`: for humans."""
+        words = {"local": "on the trainer", "generation": "in the generation server", "none": "not used"}
+        places = {"generation": self.generation, "reference": self.reference}
+        return ", ".join(f"{role} " + (words[place] if isinstance(place, str) else f"on the {place.engine} server at "
+                                      f"{place.url}" if place.url else f"on a {place.engine} server of its own")
+                         for role, place in places.items())
+
+
+class SlurmSection(Section):
+    """sbatch settings shared by every job, and the trainer's resources (a server's are in its spec)."""
 
     partition: Optional[str] = None
     account: Optional[str] = None
@@ -118,39 +168,53 @@ class SlurmSection:
     constraint: Optional[str] = None
     exclusive: bool = False
     job_name: str = "grpo"
-    extra_sbatch: list = field(default_factory=list)
-    trainer: SlurmJob = field(default_factory=SlurmJob)
-    server: SlurmJob = field(default_factory=SlurmJob)
+    extra_sbatch: list[str] = []
+    trainer: TrainerResources = Field(default_factory=TrainerResources)
 
 
-@dataclass
-class Recipe:
+class Recipe(Section):
     model: ModelSection
     data: DataSection
     rewards: list[RewardSpec]
     trainer: dict
-    server: ServerSection = field(default_factory=ServerSection)
-    sync: dict = field(default_factory=dict)
-    slurm: SlurmSection = field(default_factory=SlurmSection)
+    sync: dict = {}
+    servers: Servers = Field(default_factory=Servers)
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
     accelerate_config: Optional[str] = None
-    path: str = ""
+    _path: str = PrivateAttr("")
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _reward_names(cls, rewards: Any) -> Any:
+        """A reward given by its name alone is `{name: NAME}`."""
+        if not isinstance(rewards, list) or not rewards:
+            raise ValueError("give a list of rewards, e.g. [{name: accuracy}]")
+        return [{"name": r} if isinstance(r, str) else r for r in rewards]
+
+    @property
+    def path(self) -> str:
+        return self._path
 
     @property
     def output_dir(self) -> str:
         return self.trainer["output_dir"]
 
-    @property
-    def server_model_path(self) -> str:
-        return self.server.model_path or self.model.name_or_path
+    def model_path(self, spec: ServerSpec) -> str:
+        """What a server loads: its spec's `model_path`, else the policy."""
+        return spec.model_path or self.model.name_or_path
 
-    def role_urls(self, server_url: Optional[str], ref_url: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-        """`(generation_url, ref_model_url)` from the server URL(s). With `layout: shared` on the built-in engine,
-        the reference is the server's second model slot (`/ref`), so syncing the policy leaves it alone."""
-        if self.server.layout == "separate":
-            return server_url, ref_url
-        if self.server.engine == "builtin" and self.server.generation and self.server.reference and server_url:
-            return server_url, f"{server_url.rstrip('/')}/ref"
-        return server_url, server_url
+    def setting(self, name: str) -> Any:
+        """A `RemoteGRPOConfig` field as the recipe sets it (`trainer:` or `sync:`), else the config's default."""
+        return self.trainer.get(name, self.sync.get(name, _config_defaults()[name]))
+
+    def role_urls(self, generation_url: Optional[str], ref_url: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+        """`(generation_url, ref_model_url)` from the servers' URLs. A reference in the built-in generation server is
+        its second model slot (`/ref`), so syncing the policy leaves it alone."""
+        generation, reference = self.servers.generation, self.servers.reference
+        if reference == "generation":
+            on_builtin = isinstance(generation, ServerSpec) and generation.engine == "builtin" and generation_url
+            return generation_url, f"{generation_url.rstrip('/')}/ref" if on_builtin else generation_url
+        return generation_url, ref_url if isinstance(reference, ServerSpec) else None
 
     def trainer_config(self, generation_url: Optional[str] = None, ref_model_url: Optional[str] = None,
                        on_this_machine: bool = True):
@@ -161,16 +225,16 @@ class Recipe:
         kwargs = dict(self.trainer, **self.sync)
         if not on_this_machine:
             kwargs.update(bf16=False, fp16=False, tf32=None, use_cpu=True)
-        kwargs.setdefault("model_init_kwargs", {})
-        kwargs["model_init_kwargs"] = dict(kwargs["model_init_kwargs"], **self.model_init_kwargs())
+        kwargs["model_init_kwargs"] = dict(kwargs.get("model_init_kwargs") or {}, **self.model_init_kwargs())
         kwargs["reward_weights"] = [r.weight for r in self.rewards]
-        if self.server.generation:
+        generation = self.servers.generation
+        if isinstance(generation, ServerSpec):
             kwargs["generation_url"] = generation_url
-            kwargs["generation_backend"] = "openai" if self.server.engine == "openai" else "sglang"
-        if self.server.reference and kwargs.get("beta", 0.0) != 0.0:
+            kwargs["generation_backend"] = "openai" if generation.engine == "openai" else "sglang"
+        if self.servers.reference not in ("local", "none") and self.setting("beta") != 0.0:
             kwargs["ref_model_url"] = ref_model_url
-        if self.server.api_key:
-            kwargs.setdefault("server_api_key", self.server.api_key)
+        if self.servers.api_key:
+            kwargs.setdefault("server_api_key", self.servers.api_key)
         return RemoteGRPOConfig(**kwargs)
 
     def model_init_kwargs(self) -> dict:
@@ -180,11 +244,19 @@ class Recipe:
         return kwargs
 
 
-SECTIONS = {"model": ModelSection, "data": DataSection, "server": ServerSection, "slurm": SlurmSection}
-REQUIRED = ("model", "data", "rewards", "trainer")
-# `sync:` keys: the weight- and reference-sync fields of the trainer config (validated with it).
-SYNC_KEYS = ("weight_sync_steps", "sync_dir", "keep_last_dumps", "sync_ref_model", "ref_model_sync_steps",
-             "ref_model_sync_epochs", "ref_model_mixup_alpha", "max_weight_staleness", "async_generation")
+# What replaced the keys of the old `server:` section (one server with a layout) and of `slurm.server`.
+_SPEC_KEY = "moved to servers.generation.{key} (and servers.reference.{key} for a reference server of its own)"
+REPLACED = {
+    "server": "replaced by servers: {generation: SPEC, reference: generation | local | none | SPEC}, one spec per role",
+    "server.layout": "replaced by servers.reference: `shared` is `reference: generation` (a slot of the generation "
+                     "server), `separate` is `reference: {engine: ...}` (a server of its own)",
+    "server.ref_url": "replaced by servers.reference: {url: URL}",
+    "server.reference": "replaced by servers.reference: `false` is `reference: local`",
+    "server.generation": "replaced by servers.generation: `false` is `generation: local`",
+    "server.api_key": "moved to servers.api_key",
+    "slurm.server": "moved to servers.generation.resources (and servers.reference.resources for a reference server "
+                    "of its own): {nodes, gpus_per_node, cpus_per_task, mem}",
+}
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -202,9 +274,10 @@ def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None, c
     problems: list[tuple[str, str]] = []
     for item in overrides or []:
         _apply_override(raw, item, problems)
+    _replaced_keys(raw, problems)
     recipe = _build_recipe(raw, problems)
     if recipe is not None:
-        recipe.path = str(path)
+        recipe._path = str(path)
         _check_recipe(recipe, problems, check_paths)
     if problems:
         raise RecipeError(path, problems)
@@ -227,137 +300,137 @@ def _apply_override(raw: dict, item: str, problems: list) -> None:
     node[parts[-1]] = yaml.safe_load(value)
 
 
+def _replaced_keys(raw: dict, problems: list) -> None:
+    """Name what replaced each old key (and drop it, so it is not reported twice)."""
+    old = raw.pop("server", None)
+    if old is not None:
+        keys = [f"server.{key}" for key in old] if isinstance(old, dict) and old else ["server"]
+        problems += [(key, REPLACED.get(key, REPLACED["server"] if key == "server" else _SPEC_KEY.format(key=key[7:])))
+                     for key in keys]
+    slurm = raw.get("slurm")
+    if isinstance(slurm, dict) and "server" in slurm:
+        del slurm["server"]
+        problems.append(("slurm.server", REPLACED["slurm.server"]))
+
+
 def _build_recipe(raw: dict, problems: list) -> Optional[Recipe]:
-    known = [f.name for f in dataclasses.fields(Recipe) if f.name != "path"]
-    for key in raw:
-        if key not in known:
-            problems.append((key, f"unknown section{_did_you_mean(key, known)}"))
-    for key in REQUIRED:
-        if key not in raw:
-            problems.append((key, f"missing section (a recipe needs {', '.join(REQUIRED)})"))
-    if any(key in REQUIRED for key, _ in problems):
-        return None
-    sections: dict[str, Any] = {}
-    for name, cls in SECTIONS.items():
-        sections[name] = _build_dataclass(cls, raw.get(name, {}), name, problems)
-    rewards = raw["rewards"]
-    if not isinstance(rewards, list) or not rewards:
-        problems.append(("rewards", "give a list of rewards, e.g. [{name: accuracy}]"))
-        rewards = []
-    sections["rewards"] = [
-        _build_dataclass(RewardSpec, {"name": r} if isinstance(r, str) else r, f"rewards[{i}]", problems)
-        for i, r in enumerate(rewards)
-    ]
-    sections["trainer"] = _check_trainer_keys(raw["trainer"], "trainer", problems, exclude=SYNC_KEYS)
-    sections["sync"] = _check_trainer_keys(raw.get("sync") or {}, "sync", problems, only=SYNC_KEYS)
-    accelerate = raw.get("accelerate_config")
-    if accelerate is not None and not isinstance(accelerate, str):
-        problems.append(("accelerate_config", "give a path to an accelerate config file"))
-    if any(v is None for v in sections.values()):
-        return None
-    return Recipe(accelerate_config=accelerate, **sections)
-
-
-def _build_dataclass(cls, mapping: Any, where: str, problems: list):
-    if mapping is None:
-        mapping = {}
-    if not isinstance(mapping, dict):
-        problems.append((where, f"expected a mapping of {cls.__name__} fields, got {type(mapping).__name__}"))
-        return None
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    values = {}
-    for key, value in mapping.items():
-        if key not in fields:
-            problems.append((f"{where}.{key}", f"unknown key{_did_you_mean(key, list(fields))}"))
-            continue
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            built = _build_dataclass(hint, value, f"{where}.{key}", problems)
-            if built is not None:
-                values[key] = built
-            continue
-        problem = _type_problem(value, hint)
-        if problem:
-            problems.append((f"{where}.{key}", problem))
-        else:
-            values[key] = value
-    for name, f in fields.items():
-        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if no_default and name not in mapping:
-            problems.append((f"{where}.{name}", "required key is missing"))
-            return None
+    recipe = None
     try:
-        return cls(**values)
-    except TypeError as err:
-        problems.append((where, str(err)))
-        return None
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as err:
+        problems += _problems(err, Recipe)
+    for section in ("trainer", "sync"):
+        if isinstance(raw.get(section), dict):
+            try:
+                _config_sections()[section].model_validate(raw[section])
+            except ValidationError as err:
+                problems += _problems(err, _config_sections()[section], where=section)
+                recipe = None
+    return recipe
 
 
-def _check_trainer_keys(mapping: Any, where: str, problems: list, exclude=(), only=None) -> Optional[dict]:
-    """Check names and types of `RemoteGRPOConfig` fields (the values are validated by the config itself)."""
+@functools.cache
+def _config_defaults() -> dict[str, Any]:
+    """Every `RemoteGRPOConfig` field's default (TRL's for TRL's fields): the one place they live."""
     from open_r1_ext.trainer.config import RemoteGRPOConfig
 
-    if not isinstance(mapping, dict):
-        problems.append((where, "expected a mapping of trainer settings"))
-        return None
-    fields = {f.name: f for f in dataclasses.fields(RemoteGRPOConfig) if f.init}
+    return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(RemoteGRPOConfig) if f.init}
+
+
+@functools.cache
+def _config_sections() -> dict[str, type[BaseModel]]:
+    """`trainer:` and `sync:` as models of `RemoteGRPOConfig`'s fields: names and types are checked here, values by
+    the config itself. `sync:` holds the fields the config tags `section: sync`; `trainer:` all the others."""
+    from open_r1_ext.trainer.config import RemoteGRPOConfig
+
     hints = typing.get_type_hints(RemoteGRPOConfig)
-    allowed = [k for k in fields if (only is None or k in only) and k not in exclude]
-    for key, value in mapping.items():
-        if key not in allowed:
-            hint = f" (it belongs in the {'sync' if key in SYNC_KEYS else 'trainer'}: section)" if key in fields else ""
-            problems.append((f"{where}.{key}", f"unknown key{hint or _did_you_mean(key, allowed)}"))
-            continue
-        problem = _type_problem(value, hints.get(key, Any))
-        if problem:
-            problems.append((f"{where}.{key}", problem))
-    return dict(mapping)
+    fields = [f for f in dataclasses.fields(RemoteGRPOConfig) if f.init]
+    config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
+    return {section: create_model(section, __config__=config, **{
+                f.name: (hints[f.name], None) for f in fields if (f.metadata.get("section") == "sync") == (section == "sync")})
+            for section in ("trainer", "sync")}
+
+
+def _problems(err: ValidationError, model: type[BaseModel], where: str = "") -> list[tuple[str, str]]:
+    """pydantic's errors as `(key, message)`: `servers.generation.tp_size`, `rewards[2].name`. The errors of one
+    value that fits no member of a union are one problem: `expected an integer or a number, got 'x'`."""
+    messages: dict[str, list[str]] = {}
+    for error in err.errors():
+        key, current, placement = where, model, False
+        for item in error["loc"]:
+            if isinstance(item, int):
+                key += f"[{item}]"
+            elif item in ("spec", "placement"):  # the tags of a role's field
+                placement = item == "placement"
+            elif current is not None:  # past a plain value, the items name union members
+                key, current = f"{key}.{item}" if key else item, _submodel(current, item)
+        messages.setdefault(key, []).append(_message(error, _parent(model, error["loc"]), placement))
+    return [(key, _merged(found)) for key, found in messages.items()]
+
+
+def _merged(messages: list[str]) -> str:
+    expected = [m.removeprefix("expected ").rpartition(", got ") for m in messages if m.startswith("expected ")]
+    if len(expected) < 2 or len(expected) < len(messages):
+        return "; ".join(dict.fromkeys(messages))
+    return f"expected {' or '.join(dict.fromkeys(e[0] for e in expected))}, got {expected[0][2]}"
+
+
+def _submodel(model: Optional[type[BaseModel]], name: str) -> Optional[type[BaseModel]]:
+    """The model of field `name` of `model` (`ServerSpec` for a role), or None for a plain value."""
+    field = model.model_fields.get(name) if model is not None else None
+    pending = [field.annotation] if field else []
+    while pending:
+        hint = pending.pop()
+        if isinstance(hint, type) and issubclass(hint, BaseModel):
+            return hint
+        pending += typing.get_args(hint)
+    return None
+
+
+def _parent(model: type[BaseModel], loc: tuple) -> Optional[type[BaseModel]]:
+    """The model holding the last key of `loc`, for the known keys of an `unknown key` message."""
+    parent: Optional[type[BaseModel]] = model
+    for item in [i for i in loc if isinstance(i, str) and i not in ("spec", "placement")][:-1]:
+        if parent is None or item not in parent.model_fields:
+            return None
+        parent = _submodel(parent, item)
+    return parent
+
+
+def _message(error: dict, parent: Optional[type[BaseModel]], placement: bool) -> str:
+    kind, value, ctx = error["type"], error.get("input"), error.get("ctx", {})
+    if kind == "extra_forbidden":
+        known = list(parent.model_fields) if parent is not None else []
+        if parent in _config_sections().values() and error["loc"][-1] in _config_defaults():
+            other = "trainer" if parent.__name__ == "sync" else "sync"
+            return f"unknown key (it belongs in the {other}: section)"
+        return f"unknown {'section' if parent is Recipe else 'key'}{_did_you_mean(str(error['loc'][-1]), known)}"
+    if kind == "missing":
+        if parent is Recipe:
+            return "missing section (a recipe needs model, data, rewards, trainer)"
+        return "required key is missing"
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", ctx["expected"])
+        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+        spec = ", or a server spec mapping ({engine: ..., ...})" if placement else ""
+        return f"{value!r} is not one of {', '.join(choices)}{spec}" + (f" (did you mean '{close[0]}'?)" if close else "")
+    if kind == "value_error":
+        return str(ctx["error"])
+    bounds = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le")}
+    if kind in bounds:
+        sign, name = bounds[kind]
+        return f"must be {sign} {ctx[name]}, got {value!r}"
+    expected = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false", "string_type": "a string",
+                "list_type": "a list", "dict_type": "a mapping", "model_type": "a mapping", "model_attributes_type": "a mapping"}
+    if kind in expected:
+        return f"expected {expected[kind]}, got {value!r}"
+    return f"{error['msg'][0].lower()}{error['msg'][1:]}, got {value!r}"
 
 
 def _did_you_mean(key: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(choices)[:12])}{', ...' if len(choices) > 12 else ''})"
-
-
-def _type_problem(value: Any, hint: Any) -> Optional[str]:
-    """None when `value` fits the annotation `hint`, else what is wrong (only the shapes YAML can express)."""
-    origin = typing.get_origin(hint)
-    if hint is Any or hint is typing.Any:
-        return None
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(hint)
-        if any(_type_problem(value, option) is None for option in options):
-            return None
-        names = " or ".join(_type_name(o) for o in options)
-        return f"expected {names}, got {type(value).__name__} {value!r}"
-    if hint is type(None):
-        return None if value is None else "expected null"
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        allowed = [m.value for m in hint]
-        return None if value in allowed else f"expected one of {allowed}, got {value!r}"
-    if hint is bool:
-        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
-    if hint is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else f"expected an integer, got {value!r}"
-    if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return None if ok else f"expected a number, got {value!r}"
-    if hint is str:
-        return None if isinstance(value, str) else f"expected a string, got {type(value).__name__} {value!r}"
-    if hint is list or origin is list:
-        return None if isinstance(value, list) else f"expected a list, got {value!r}"
-    if hint is dict or origin is dict:
-        return None if isinstance(value, dict) else f"expected a mapping, got {value!r}"
-    return None
-
-
-def _type_name(hint: Any) -> str:
-    if hint is type(None):
-        return "null"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}.get(
-        hint, getattr(hint, "__name__", str(hint))
-    )
 
 
 # ---------------------------------------------------------------------------------------- semantics
@@ -366,31 +439,23 @@ def is_local_path(value: str) -> bool:
 
 
 def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
-    server, slurm = recipe.server, recipe.slurm
-    _choice(problems, "server.engine", server.engine, ENGINES)
-    _choice(problems, "server.layout", server.layout, LAYOUTS)
-    _choice(problems, "server.dtype", server.dtype, DTYPES)
-    _choice(problems, "model.dtype", recipe.model.dtype, DTYPES)
     if "output_dir" not in recipe.trainer:
         problems.append(("trainer.output_dir", "required: where checkpoints, weight dumps and logs go"))
     if check_paths:
-        for key, value in (("model.name_or_path", recipe.model.name_or_path), ("server.model_path", server.model_path),
-                           ("data.dataset", recipe.data.dataset), ("accelerate_config", recipe.accelerate_config)):
+        paths = [("model.name_or_path", recipe.model.name_or_path), ("data.dataset", recipe.data.dataset),
+                 ("accelerate_config", recipe.accelerate_config),
+                 *((f"servers.{role}.model_path", spec.model_path) for role, spec in recipe.servers.specs().items())]
+        for key, value in paths:
             if value and is_local_path(value) and not Path(value).expanduser().exists():
                 problems.append((key, f"local path {value} does not exist (hub ids look like org/name)"))
     for i, reward in enumerate(recipe.rewards):
-        if reward is None:
-            continue
         try:
             from open_r1_ext.trainer.rewards import resolve_reward
 
             resolve_reward(reward.name)
         except ValueError as err:
             problems.append((f"rewards[{i}].name", str(err)))
-    for key, job in (("slurm.trainer", slurm.trainer), ("slurm.server", slurm.server)):
-        if job.nodes < 1 or job.gpus_per_node < 0:
-            problems.append((key, "nodes must be >= 1 and gpus_per_node >= 0"))
-    _check_engine(recipe, problems)
+    _check_servers(recipe, problems)
     _check_batch(recipe, problems)
     if not problems:
         try:
@@ -399,55 +464,68 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
             problems.append(("trainer", f"{err}"))
 
 
-def _choice(problems: list, key: str, value: str, choices: tuple) -> None:
-    if value not in choices:
-        problems.append((key, f"{value!r} is not one of {', '.join(choices)}{_did_you_mean(value, list(choices))}"))
-
-
-def _check_engine(recipe: Recipe, problems: list) -> None:
-    server, trainer, sync = recipe.server, recipe.trainer, recipe.sync
-    gpus = recipe.slurm.server.nodes * recipe.slurm.server.gpus_per_node
-    if server.engine == "sglang" and server.tp_size * server.dp_size > max(gpus, 1):
-        problems.append(("server.tp_size", f"tp_size x dp_size = {server.tp_size * server.dp_size} needs more GPUs than "
-                                           f"slurm.server gives ({recipe.slurm.server.nodes} node(s) x {recipe.slurm.server.gpus_per_node})"))
-    if server.engine == "builtin":
-        if server.tp_size != 1 or server.dp_size != 1 or recipe.slurm.server.nodes != 1:
-            problems.append(("server.tp_size", "the built-in server runs on one device of one node: set tp_size 1, "
-                                               "dp_size 1, slurm.server.nodes 1, or use engine: sglang"))
-        for key in ("min_p",):
-            if trainer.get(key) is not None:
-                problems.append((f"trainer.{key}", "the built-in server does not support it; remove it or use engine: sglang"))
-        if trainer.get("repetition_penalty", 1.0) != 1.0:
-            problems.append(("trainer.repetition_penalty", "the built-in server does not support it; use engine: sglang"))
-    if server.engine != "builtin" and sync.get("sync_ref_model") and sync.get("ref_model_mixup_alpha", 0.6) != 1.0 and server.reference:
-        problems.append(("sync.ref_model_mixup_alpha", f"{server.engine} reloads weights as they are and cannot mix old "
+def _check_servers(recipe: Recipe, problems: list) -> None:
+    """What each engine can do, and where the reference can live; each message names the fix."""
+    generation, reference = recipe.servers.generation, recipe.servers.reference
+    beta = recipe.setting("beta")
+    for role, spec in recipe.servers.specs().items():
+        key, gpus = f"servers.{role}", spec.resources.nodes * spec.resources.gpus_per_node
+        if spec.url is not None and not spec.url.startswith(("http://", "https://")):
+            problems.append((f"{key}.url", f"{spec.url!r}: give a base URL such as http://node-3:30000"))
+        if spec.engine == "sglang" and spec.tp_size * spec.dp_size > max(gpus, 1):
+            problems.append((f"{key}.tp_size", f"tp_size x dp_size = {spec.tp_size * spec.dp_size} needs more GPUs than "
+                                               f"{key}.resources gives ({spec.resources.nodes} node(s) x "
+                                               f"{spec.resources.gpus_per_node})"))
+        if spec.engine == "builtin" and (spec.tp_size != 1 or spec.dp_size != 1 or spec.resources.nodes != 1):
+            problems.append((f"{key}.tp_size", f"the built-in server runs on one device of one node: set tp_size 1, "
+                                               f"dp_size 1, resources.nodes 1, or use engine: sglang"))
+    if isinstance(generation, ServerSpec):
+        if generation.engine == "openai" and generation.url is None:
+            problems.append(("servers.generation.url", "engine: openai uses an OpenAI-compatible server that is already "
+                                                       "running: give its URL"))
+        if generation.engine == "builtin":
+            if recipe.setting("min_p") is not None:
+                problems.append(("trainer.min_p", "the built-in server does not support it; remove it or use engine: sglang"))
+            if recipe.setting("repetition_penalty") != 1.0:
+                problems.append(("trainer.repetition_penalty", "the built-in server does not support it; use engine: sglang"))
+    if isinstance(reference, ServerSpec) and reference.engine == "openai":
+        problems.append(("servers.reference.engine", "an OpenAI-compatible server cannot give reference log-probs: use "
+                                                     "engine: builtin or sglang, or reference: local"))
+    elif reference == "generation":
+        if generation == "local":
+            problems.append(("servers.reference", "`generation` is a slot of the generation server, and generation: local "
+                                                  "runs none: give the reference a server of its own ({engine: builtin}) "
+                                                  "or set local"))
+        elif generation.engine == "sglang" and beta != 0.0:
+            problems.append(("servers.reference", "an SGLang server holds one model, and weight sync changes it to the "
+                                                  "policy: give the reference a server of its own (reference: {engine: "
+                                                  "sglang, ...}) or set local"))
+        elif generation.engine == "openai" and beta != 0.0:
+            problems.append(("servers.reference", "an OpenAI-compatible server cannot give reference log-probs: set "
+                                                  "local, or give the reference a server of its own ({engine: sglang} "
+                                                  "or {url: ...})"))
+    elif reference == "none" and beta != 0.0:
+        problems.append(("servers.reference", f"none, but beta={beta} needs a reference: set generation, local or a "
+                                              "server spec, or trainer.beta: 0"))
+    elif reference == "local" and generation == "local":
+        problems.append(("servers", "generation: local and reference: local: no server plays a role; give one a server"))
+    if isinstance(reference, ServerSpec) and reference.started and beta == 0.0:
+        problems.append(("servers.reference", "beta: 0 uses no reference, and the launchers would start a server for it: "
+                                              "set reference: none"))
+    host = generation if reference == "generation" else reference
+    soft = recipe.setting("sync_ref_model") and recipe.setting("ref_model_mixup_alpha") != 1.0
+    if soft and isinstance(host, ServerSpec) and host.engine != "builtin":
+        problems.append(("sync.ref_model_mixup_alpha", f"{host.engine} reloads weights as they are and cannot mix old "
                                                        "and new (soft update); set 1.0, or host the reference on engine: builtin"))
-    if server.engine == "openai":
-        if not server.url:
-            problems.append(("server.url", "engine: openai uses an OpenAI-compatible server that is already running: give its URL"))
-        if server.reference and trainer.get("beta", 0.0) != 0.0 and not (server.layout == "separate" and server.ref_url):
-            problems.append(("server.reference", "an OpenAI-compatible server cannot give reference log-probs: set "
-                                                 "reference: false (local reference), or layout: separate with ref_url"))
-    if (server.engine == "sglang" and server.layout == "shared" and server.reference and server.generation
-            and trainer.get("beta", 0.0) != 0.0):
-        problems.append(("server.layout", "an SGLang server holds one model, and weight sync changes it to the policy: "
-                                          "with both roles on SGLang use layout: separate (a second server for the reference)"))
-    if server.layout == "separate" and not server.reference:
-        problems.append(("server.layout", "layout: separate puts the reference on its own server; it needs reference: true"))
-    if not server.reference and not server.generation:
-        problems.append(("server", "reference: false and generation: false: the server would do nothing"))
 
 
 def _check_batch(recipe: Recipe, problems: list) -> None:
     """The batch rule TRL enforces at start-up, checked here for the world size the recipe asks for."""
-    trainer = recipe.trainer
     world = recipe.slurm.trainer.num_processes
-    per_device = trainer.get("per_device_train_batch_size", 8)
-    num_generations = trainer.get("num_generations", 8)
-    steps = trainer.get("steps_per_generation") or trainer.get("gradient_accumulation_steps", 1)
-    generation_batch = trainer.get("generation_batch_size") or per_device * world * steps
-    if not all(isinstance(v, int) for v in (per_device, num_generations, steps, generation_batch)):
-        return  # type problems were reported already
+    per_device = recipe.setting("per_device_train_batch_size")
+    num_generations = recipe.setting("num_generations")
+    steps = recipe.setting("steps_per_generation") or recipe.setting("gradient_accumulation_steps")
+    generation_batch = recipe.setting("generation_batch_size") or per_device * world * steps
     if num_generations < 2:
         problems.append(("trainer.num_generations", f"{num_generations}: GRPO needs at least 2 completions per prompt"))
     elif generation_batch % num_generations:

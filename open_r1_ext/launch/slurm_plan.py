@@ -6,19 +6,18 @@ The one place both launch paths read: `slurm/*.slurm` through `open-r1-ext slurm
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, Union
 
-from open_r1_ext.launch.recipe import Recipe, SlurmJob
+from open_r1_ext.launch.recipe import Recipe, Resources, ServerSpec
 
 SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
+SERVER_ROLES = {SERVER: "generation", REF_SERVER: "reference"}  # a server job's role in the recipe's `servers:`
 MAIN_PROCESS_PORT = 29500  # accelerate's rendezvous port on the trainer's first node
 DIST_INIT_PORT_OFFSET = 100  # SGLang's multi-node rendezvous: server port + this, on the server's first node
-REF_SERVER_PORT_OFFSET = 1  # the reference server (layout: separate) listens on server.port + this
 POLL_S = 10  # seconds between progress lines (and watchdog checks) of every wait
 
 
@@ -106,10 +105,11 @@ class RunFiles:
 
 
 class SlurmPlan:
-    """The jobs of a run: one per server (`server`, and `ref-server` with layout: separate) and the trainer.
+    """The jobs of a run: one per server to start (`server` for generation, `ref-server` for a reference server of its
+    own) and the trainer.
 
-    Server jobs get `slurm.server`'s resources, the trainer `slurm.trainer`'s; both get the section's partition,
-    account, qos, time, constraint, exclusive and extra_sbatch. `overrides` are the `--set` values the recipe was loaded with; jobs load it again with the same ones.
+    A server job gets its spec's resources (`servers.<role>.resources`), the trainer `slurm.trainer`'s; all get
+    `slurm:`'s partition, account, qos, time, constraint, exclusive and extra_sbatch. `overrides` are the `--set` values the recipe was loaded with; jobs load it again with the same ones.
     """
 
     def __init__(self, recipe: Recipe, overrides: Sequence[str] = ()):
@@ -120,9 +120,6 @@ class SlurmPlan:
         self.server_roles = self._server_roles()
         self.timeout_min = time_minutes(recipe.slurm.time)
         self.extra_sbatch = self._extra_sbatch()
-        if self.server_roles and recipe.server.engine == "openai":
-            raise PlanError("server.ref_url: an openai server is never started by the launcher; give the URL of the "
-                            "reference server (server.ref_url), or use engine: builtin or sglang")
         trainer = recipe.slurm.trainer
         if trainer.gpus_per_node == 0 and trainer.num_processes > 1:
             raise PlanError(f"slurm.trainer: {trainer.num_processes} trainer processes on CPU nodes: accelerate runs one "
@@ -130,33 +127,31 @@ class SlurmPlan:
 
     # ------------------------------------------------------------------ jobs
     def _server_roles(self) -> list[str]:
-        """The servers this run starts: those the recipe gives no URL for."""
-        server = self.recipe.server
-        roles = [] if server.url else [SERVER]
-        if server.layout == "separate" and not server.ref_url:
-            roles.append(REF_SERVER)
-        return roles
+        """The servers this run starts: the roles on a server of their own that the recipe gives no URL for."""
+        specs = self.recipe.servers.specs()
+        return [role for role, name in SERVER_ROLES.items() if name in specs and specs[name].started]
+
+    def spec(self, role: str) -> ServerSpec:
+        """The recipe's spec of a server job (`servers.generation` or `servers.reference`)."""
+        return self.recipe.servers.specs()[SERVER_ROLES[role]]
 
     @property
     def roles(self) -> list[str]:
         return [*self.server_roles, TRAINER]
 
-    def resources(self, role: str) -> SlurmJob:
-        return self.recipe.slurm.trainer if role == TRAINER else self.recipe.slurm.server
+    def resources(self, role: str) -> Resources:
+        return self.recipe.slurm.trainer if role == TRAINER else self.spec(role).resources
 
     def job_name(self, role: str) -> str:
         return f"{self.recipe.slurm.job_name}-{role}"
 
     def port(self, role: str) -> int:
-        return self.recipe.server.port + (REF_SERVER_PORT_OFFSET if role == REF_SERVER else 0)
+        return self.spec(role).port
 
     @property
     def server_wait_s(self) -> float:
         """How long a trainer waits for its servers: the recipe's `trainer.server_wait_timeout`."""
-        from open_r1_ext.trainer.config import RemoteGRPOConfig
-
-        default = {f.name: f.default for f in dataclasses.fields(RemoteGRPOConfig)}["server_wait_timeout"]
-        return float(self.recipe.trainer.get("server_wait_timeout", default))
+        return float(self.recipe.setting("server_wait_timeout"))
 
     def _extra_sbatch(self) -> list[str]:
         options = []
@@ -207,8 +202,8 @@ class SlurmPlan:
     # ----------------------------------------------------------- commands
     def server_command(self, role: str, node_rank: Union[int, ShellVar], head: Union[str, ShellVar]) -> list[Word]:
         """The command each node of a server job runs; `head` is the job's first node (SGLang's rendezvous)."""
-        server, nodes, port = self.recipe.server, self.resources(role).nodes, self.port(role)
-        common = ["--model-path", self.recipe.server_model_path, "--host", "0.0.0.0", "--port", port]
+        server, nodes, port = self.spec(role), self.resources(role).nodes, self.port(role)
+        common = ["--model-path", self.recipe.model_path(server), "--host", "0.0.0.0", "--port", port]
         if server.engine == "sglang":
             cmd: list[Word] = [sys.executable, "-m", "sglang.launch_server", *common,
                                "--tp-size", server.tp_size, "--dp-size", server.dp_size]
@@ -221,8 +216,9 @@ class SlurmPlan:
                         "--dist-init-addr", (head, f":{port + DIST_INIT_PORT_OFFSET}")]
         else:
             cmd = [sys.executable, "-m", "open_r1_ext.server", *common, "--dtype", server.dtype]
-        if server.api_key:
-            cmd += ["--api-key", server.api_key]
+            cmd += [] if self.recipe.servers.ref_slot(SERVER_ROLES[role]) else ["--no-ref-slot"]
+        if self.recipe.servers.api_key:
+            cmd += ["--api-key", self.recipe.servers.api_key]
         return cmd + [str(a) for a in server.extra_args]
 
     def trainer_command(self, node_rank: Union[int, ShellVar], main_addr: Union[str, ShellVar],
@@ -289,8 +285,9 @@ class SlurmPlan:
                       f"  sbatch {' '.join(map(shlex.quote, self.sbatch_args(role)))}",
                       f"  srun {' '.join(self.srun_args(role))} on each node:",
                       f"    {shell_join(command)}"]
-        if self.recipe.server.url:
-            lines.append(f"server: {self.recipe.server.url} (given by the recipe; no server job)")
+        for name, spec in self.recipe.servers.specs().items():
+            if not spec.started:
+                lines.append(f"{name} server: {spec.url} (given by the recipe; no server job)")
         return "\n".join(lines)
 
 

@@ -141,7 +141,7 @@ def wait_for_server(plan: SlurmPlan, server: JobRef, echo: Callable[[str], None]
     next_progress = POLL_S
     while True:
         url = f"http://{addr_file.read_text().strip()}" if addr_file.is_file() else None
-        if url and SGLangClient(url, api_key=plan.recipe.server.api_key).is_healthy(timeout=5.0):
+        if url and SGLangClient(url, api_key=plan.recipe.servers.api_key).is_healthy(timeout=5.0):
             return url
         state, elapsed = server.state(), time.monotonic() - start
         if state not in ACTIVE_STATES:
@@ -205,7 +205,7 @@ class ServerTask:
         return 0
 
     def _advertise(self, process: subprocess.Popen, address: str, me: str) -> None:
-        client, files = SGLangClient(f"http://{address}", api_key=self.plan.recipe.server.api_key), self.plan.files
+        client, files = SGLangClient(f"http://{address}", api_key=self.plan.recipe.servers.api_key), self.plan.files
         start = time.monotonic()
         while not client.is_healthy(timeout=5.0):
             elapsed = time.monotonic() - start

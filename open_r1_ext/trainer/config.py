@@ -13,6 +13,13 @@ from trl import GRPOConfig
 from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT
 
 GENERATION_BACKENDS = ("sglang", "openai")
+SYNC = {"section": "sync"}  # field metadata: the field belongs in a recipe's `sync:` section (open_r1_ext.launch.recipe)
+
+
+def _trl_sync_field(name: str):
+    """TRL's `GRPOConfig` field `name` as it is (default and help), tagged for a recipe's `sync:` section."""
+    trl = GRPOConfig.__dataclass_fields__[name]
+    return field(default=trl.default, metadata={**trl.metadata, **SYNC})
 
 
 @dataclass
@@ -70,7 +77,7 @@ class RemoteGRPOConfig(GRPOConfig):
             When a reload fails after its retries, training stops (0) unless the generation weights are at most this
             many steps old, in which case it goes on with a warning.
         ref_model_sync_steps (`int` or `None`, *optional*, defaults to `None`):
-            With `sync_ref_model=True`, sync the reference every this many steps (TRL's τ; 512 when neither this nor
+            With `sync_ref_model=True`, sync the reference every this many steps (TRL's τ, and TRL's default 512 when neither this nor
             `ref_model_sync_epochs` is given). With a remote reference, a sync is a dump the reference server reloads.
         ref_model_sync_epochs (`int`, `float` or `None`, *optional*, defaults to `None`):
             With `sync_ref_model=True`, sync the reference every this many epochs: an int >= 1, or a float in (0, 1)
@@ -116,27 +123,32 @@ class RemoteGRPOConfig(GRPOConfig):
     )
 
     weight_sync_steps: int = field(
-        default=1, metadata={"help": "Sync the generation server's weights every this many steps (0: never)."}
+        default=1, metadata={"help": "Sync the generation server's weights every this many steps (0: never).", **SYNC}
     )
     sync_dir: Optional[str] = field(
-        default=None, metadata={"help": "Shared directory for weight dumps; default <output_dir>/weights."}
+        default=None, metadata={"help": "Shared directory for weight dumps; default <output_dir>/weights.", **SYNC}
     )
-    keep_last_dumps: int = field(default=2, metadata={"help": "Weight dumps kept on disk (0: all)."})
+    keep_last_dumps: int = field(default=2, metadata={"help": "Weight dumps kept on disk (0: all).", **SYNC})
     max_weight_staleness: int = field(
-        default=0, metadata={"help": "After a failed reload, go on if generation weights are at most this many steps old."}
+        default=0, metadata={"help": "After a failed reload, go on if generation weights are at most this many steps old.", **SYNC}
     )
+    sync_ref_model: bool = _trl_sync_field("sync_ref_model")
+    ref_model_mixup_alpha: float = _trl_sync_field("ref_model_mixup_alpha")
     ref_model_sync_steps: Optional[int] = field(
         default=None,
-        metadata={"help": "With sync_ref_model, sync the reference every this many steps (512 if no epochs given)."},
+        metadata={"help": "With sync_ref_model, sync the reference every this many steps (TRL's default if no epochs "
+                          "given).", **SYNC},
     )
     ref_model_sync_epochs: Optional[Union[int, float]] = field(
         default=None,
-        metadata={"help": "With sync_ref_model, sync the reference every this many epochs: int >= 1 or float in (0, 1)."},
+        metadata={"help": "With sync_ref_model, sync the reference every this many epochs: int >= 1 or float in (0, 1).",
+                  **SYNC},
     )
 
     async_generation: bool = field(
         default=False,
-        metadata={"help": "Generate the next batch while the current one trains (off-policy by max_weight_staleness)."},
+        metadata={"help": "Generate the next batch while the current one trains (off-policy by max_weight_staleness).",
+                  **SYNC},
     )
 
     def __post_init__(self):
@@ -156,7 +168,7 @@ class RemoteGRPOConfig(GRPOConfig):
                     "write whole epochs as an int"
                 )
         elif steps is None:
-            self.ref_model_sync_steps = 512  # TRL's default
+            self.ref_model_sync_steps = GRPOConfig.__dataclass_fields__["ref_model_sync_steps"].default
         super().__post_init__()
         if self.generation_backend not in GENERATION_BACKENDS:
             raise ValueError(

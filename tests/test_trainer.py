@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import requests
+import torch
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
@@ -215,3 +216,46 @@ def test_generation_object_sync_and_async_behind_one_interface(tiny_model, serve
     for other in ((43, 3, "train", 0), (42, 4, "train", 0), (42, 3, "eval", 0), (42, 3, "train", 1)):
         assert sampling_seeds(*other, 4) != base
     assert sampling_seeds(42, 3, "train", 0, 4, salt=1) != base
+
+
+def looped_completion_logps(client, input_ids, attention_mask, logits_to_keep):
+    """`remote_completion_logps` as it was, one Python step per row and position: the reference for the vectorised one."""
+    rows, masks = input_ids.tolist(), attention_mask.bool().tolist()
+    scored = client.ref_logprobs([[t for t, m in zip(ids, mask) if m] for ids, mask in zip(rows, masks)])
+    width = input_ids.size(1)
+    out = torch.zeros((len(rows), logits_to_keep), dtype=torch.float32)
+    for row, mask in enumerate(masks):
+        first = mask.index(True)
+        for j in range(logits_to_keep):
+            column = width - logits_to_keep + j
+            if mask[column] and column > first:
+                out[row, j] = scored[row][column - first - 1]
+    return out
+
+
+class SeededScores:
+    """A stand-in for the reference server: reproducible log-probs, one per token after the first."""
+
+    def ref_logprobs(self, sequences):
+        return [-5 * torch.rand(len(s) - 1, generator=torch.Generator().manual_seed(hash(tuple(s)) % 2**31))
+                for s in sequences]
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_vectorised_reference_layout_equals_the_loop(trial):
+    from open_r1_ext.trainer.remote_trainer import remote_completion_logps
+
+    rng = torch.Generator().manual_seed(trial)
+    rows = 1 + trial % 6
+    prompt_width, completion_width = (int(w) for w in torch.randint(1, 9, (2,), generator=rng))
+    input_ids = torch.randint(0, 300, (rows, prompt_width + completion_width), generator=rng)
+    # TRL's layout: prompts left-padded (at least one token), completions right-padded (possibly empty)
+    prompt_pad = torch.randint(0, prompt_width, (rows, 1), generator=rng)
+    completion_len = torch.randint(0, completion_width + 1, (rows, 1), generator=rng)
+    prompt_mask = torch.arange(prompt_width)[None] >= prompt_pad
+    completion_mask = torch.arange(completion_width)[None] < completion_len
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    for logits_to_keep in (completion_width, completion_width + prompt_width // 2):
+        got = remote_completion_logps(SeededScores(), input_ids, attention_mask, logits_to_keep)
+        want = looped_completion_logps(SeededScores(), input_ids, attention_mask, logits_to_keep)
+        assert torch.equal(got, want)

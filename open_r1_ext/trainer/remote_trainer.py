@@ -229,20 +229,23 @@ def remote_completion_logps(client: SGLangClient, input_ids: torch.Tensor, atten
     """Reference log-probs of the last `logits_to_keep` positions, laid out exactly as TRL's local reference.
 
     Each row is sent without its padding; entry `j` of the result is `log p(token at column T-K+j | tokens
-    before it)`, and 0 where the column is padding (as TRL's fused LM head gives for masked labels).
+    before it)`, and 0 where the column is padding or the row's first token (as TRL's fused LM head gives for
+    masked labels). Tensor operations throughout: no Python step per row and position.
     """
-    rows = input_ids.tolist()
-    masks = attention_mask.bool().tolist()
-    sequences = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(rows, masks)]
-    scored = client.ref_logprobs(sequences)
-    width = input_ids.size(1)
-    out = torch.zeros((len(rows), logits_to_keep), dtype=torch.float32)
-    for row, mask in enumerate(masks):
-        first = mask.index(True)
-        for j in range(logits_to_keep):
-            column = width - logits_to_keep + j
-            if mask[column] and column > first:
-                out[row, j] = scored[row][column - first - 1]
+    ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
+    lengths = mask.sum(dim=1)
+    sequences = [row.tolist() for row in ids[mask].split(lengths.tolist())]
+    scored = client.ref_logprobs(sequences)  # row r: log-probs of its unpadded tokens 1 .. lengths[r] - 1
+    rows, width = ids.shape
+    # table[r, p]: the log-prob of row r's p-th unpadded token (p >= 1; column 0 stays 0)
+    table = torch.zeros((rows, width), dtype=torch.float32)
+    counts = (lengths - 1).clamp(min=0)
+    row_of = torch.repeat_interleave(torch.arange(rows), counts)
+    starts = torch.cumsum(counts, dim=0) - counts
+    table[row_of, torch.arange(len(row_of)) - torch.repeat_interleave(starts, counts) + 1] = torch.cat(scored).float()
+    position = (mask.long().cumsum(dim=1) - 1)[:, width - logits_to_keep:]  # each kept column's unpadded index
+    kept = mask[:, width - logits_to_keep:] & (position > 0)
+    out = torch.where(kept, table.gather(1, position.clamp(min=0)), torch.zeros((), dtype=torch.float32))
     return out.to(input_ids.device)
 
 

@@ -525,6 +525,8 @@ def _check_batch(recipe: Recipe, problems: list) -> None:
     per_device = recipe.setting("per_device_train_batch_size")
     num_generations = recipe.setting("num_generations")
     steps = recipe.setting("steps_per_generation") or recipe.setting("gradient_accumulation_steps")
+    if not all(isinstance(v, int) for v in (per_device, num_generations, steps)):
+        return  # null where TRL allows it: the config's own check (below) reports it
     generation_batch = recipe.setting("generation_batch_size") or per_device * world * steps
     if num_generations < 2:
         problems.append(("trainer.num_generations", f"{num_generations}: GRPO needs at least 2 completions per prompt"))

@@ -7,6 +7,7 @@ optimizer step call the remote generation object (`generation.py`: generation, l
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Optional
@@ -165,6 +166,12 @@ class RemoteGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------- lifecycle
     def train(self, *args, **kwargs):
+        # The ~450k objects torch, transformers and TRL leave on the heap by now live as long as training: keep the
+        # garbage collector from re-scanning them (measured on the tiny model: collections took ~300 ms per 10 steps,
+        # ~3 ms frozen), as the server does with its start-up heap. Unfrozen at the end, so trainers built one after
+        # another in a process can still be collected.
+        gc.collect()
+        gc.freeze()
         try:
             result = super().train(*args, **kwargs)
         except ServerError as err:
@@ -175,6 +182,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
             )
             raise
         finally:
+            gc.unfreeze()
             if self.remote_generation is not None:
                 self.remote_generation.close()
         self.weight_sync.wait_durable()  # the last dumps on disk and their syncs logged before train() returns

@@ -135,7 +135,7 @@ class Servers(Section):
     def _reference_port(self) -> "Servers":
         """A reference server without a port listens next to the generation server, so both fit on one node."""
         if isinstance(self.reference, ServerSpec) and "port" not in self.reference.model_fields_set:
-            base = self.generation.port if isinstance(self.generation, ServerSpec) else ServerSpec().port
+            base = self.generation.port if isinstance(self.generation, ServerSpec) else ServerSpec.model_fields["port"].default
             self.reference.port = base + REFERENCE_PORT_OFFSET
         return self
 
@@ -173,6 +173,9 @@ class SlurmSection(Section):
 
 
 class Recipe(Section):
+    """A whole run. `trainer` and `sync` stay mappings of `RemoteGRPOConfig` fields (checked by `load_recipe`);
+    `trainer_config` builds the config, `setting` reads one value with the config's default."""
+
     model: ModelSection
     data: DataSection
     rewards: list[RewardSpec]
@@ -304,9 +307,10 @@ def _replaced_keys(raw: dict, problems: list) -> None:
     """Name what replaced each old key (and drop it, so it is not reported twice)."""
     old = raw.pop("server", None)
     if old is not None:
-        keys = [f"server.{key}" for key in old] if isinstance(old, dict) and old else ["server"]
-        problems += [(key, REPLACED.get(key, REPLACED["server"] if key == "server" else _SPEC_KEY.format(key=key[7:])))
-                     for key in keys]
+        for key in [f"server.{key}" for key in old] if isinstance(old, dict) and old else ["server"]:
+            name = key.removeprefix("server.")
+            spec_key = name in ServerSpec.model_fields and _SPEC_KEY.format(key=name)
+            problems.append((key, REPLACED.get(key) or spec_key or REPLACED["server"]))
     slurm = raw.get("slurm")
     if isinstance(slurm, dict) and "server" in slurm:
         del slurm["server"]
@@ -357,15 +361,15 @@ def _problems(err: ValidationError, model: type[BaseModel], where: str = "") -> 
     value that fits no member of a union are one problem: `expected an integer or a number, got 'x'`."""
     messages: dict[str, list[str]] = {}
     for error in err.errors():
-        key, current, placement = where, model, False
+        key, parent, current, placement = where, model, model, False
         for item in error["loc"]:
             if isinstance(item, int):
                 key += f"[{item}]"
             elif item in ("spec", "placement"):  # the tags of a role's field
                 placement = item == "placement"
             elif current is not None:  # past a plain value, the items name union members
-                key, current = f"{key}.{item}" if key else item, _submodel(current, item)
-        messages.setdefault(key, []).append(_message(error, _parent(model, error["loc"]), placement))
+                key, parent, current = f"{key}.{item}" if key else item, current, _submodel(current, item)
+        messages.setdefault(key, []).append(_message(error, parent, placement))
     return [(key, _merged(found)) for key, found in messages.items()]
 
 
@@ -376,9 +380,9 @@ def _merged(messages: list[str]) -> str:
     return f"expected {' or '.join(dict.fromkeys(e[0] for e in expected))}, got {expected[0][2]}"
 
 
-def _submodel(model: Optional[type[BaseModel]], name: str) -> Optional[type[BaseModel]]:
+def _submodel(model: type[BaseModel], name: str) -> Optional[type[BaseModel]]:
     """The model of field `name` of `model` (`ServerSpec` for a role), or None for a plain value."""
-    field = model.model_fields.get(name) if model is not None else None
+    field = model.model_fields.get(name)
     pending = [field.annotation] if field else []
     while pending:
         hint = pending.pop()
@@ -388,24 +392,14 @@ def _submodel(model: Optional[type[BaseModel]], name: str) -> Optional[type[Base
     return None
 
 
-def _parent(model: type[BaseModel], loc: tuple) -> Optional[type[BaseModel]]:
-    """The model holding the last key of `loc`, for the known keys of an `unknown key` message."""
-    parent: Optional[type[BaseModel]] = model
-    for item in [i for i in loc if isinstance(i, str) and i not in ("spec", "placement")][:-1]:
-        if parent is None or item not in parent.model_fields:
-            return None
-        parent = _submodel(parent, item)
-    return parent
-
-
-def _message(error: dict, parent: Optional[type[BaseModel]], placement: bool) -> str:
+def _message(error: dict, parent: type[BaseModel], placement: bool) -> str:
+    """One error in recipe words; `parent` holds the key, `placement` says a role's field was given a string."""
     kind, value, ctx = error["type"], error.get("input"), error.get("ctx", {})
     if kind == "extra_forbidden":
-        known = list(parent.model_fields) if parent is not None else []
         if parent in _config_sections().values() and error["loc"][-1] in _config_defaults():
             other = "trainer" if parent.__name__ == "sync" else "sync"
             return f"unknown key (it belongs in the {other}: section)"
-        return f"unknown {'section' if parent is Recipe else 'key'}{_did_you_mean(str(error['loc'][-1]), known)}"
+        return f"unknown {'section' if parent is Recipe else 'key'}{_did_you_mean(str(error['loc'][-1]), list(parent.model_fields))}"
     if kind == "missing":
         if parent is Recipe:
             return "missing section (a recipe needs model, data, rewards, trainer)"
@@ -477,8 +471,8 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
                                                f"{key}.resources gives ({spec.resources.nodes} node(s) x "
                                                f"{spec.resources.gpus_per_node})"))
         if spec.engine == "builtin" and (spec.tp_size != 1 or spec.dp_size != 1 or spec.resources.nodes != 1):
-            problems.append((f"{key}.tp_size", f"the built-in server runs on one device of one node: set tp_size 1, "
-                                               f"dp_size 1, resources.nodes 1, or use engine: sglang"))
+            problems.append((f"{key}.tp_size", "the built-in server runs on one device of one node: set tp_size 1, "
+                                               "dp_size 1, resources.nodes 1, or use engine: sglang"))
     if isinstance(generation, ServerSpec):
         if generation.engine == "openai" and generation.url is None:
             problems.append(("servers.generation.url", "engine: openai uses an OpenAI-compatible server that is already "

@@ -5,7 +5,6 @@
     open-r1-ext new-recipe --from RECIPE --model ORG/NAME OUT
     open-r1-ext serve --model-path DIR [--port P ...]        (the built-in server)
     open-r1-ext launch RECIPE [--set ...] [--executor slurm|local] [--dry-run]
-    open-r1-ext slurm-env RECIPE [--set ...]                 (shell assignments for slurm/*.slurm)
 
 Each subcommand imports only what it needs, so `validate` answers in seconds.
 """
@@ -18,15 +17,20 @@ from pathlib import Path
 from typing import Optional
 
 
+def add_recipe_arguments(parser: argparse.ArgumentParser, server_urls: bool = False) -> None:
+    """The recipe options every command shares: `--set`, and with `server_urls` the servers' URLs (training)."""
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe value, e.g. --set trainer.max_steps=5 (repeatable)")
+    if server_urls:
+        parser.add_argument("--server-url", default=None,
+                            help="generation server (and the reference's, with reference: generation)")
+        parser.add_argument("--ref-url", default=None, help="reference server, when the reference has a server of its own")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from open_r1_ext import train
 
-    argv = ["--config", args.recipe, *(f"--set={s}" for s in args.set)]
-    if args.server_url:
-        argv += ["--server-url", args.server_url]
-    if args.ref_url:
-        argv += ["--ref-url", args.ref_url]
-    return train.main(argv)
+    return train.train_recipe(args.recipe, args.set, args.server_url, args.ref_url)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -94,35 +98,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 2
 
 
-def cmd_slurm_env(args: argparse.Namespace) -> int:
-    from open_r1_ext.launch.recipe import RecipeError, load_recipe
-    from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
-
-    try:
-        print(SlurmPlan(load_recipe(args.recipe, args.set), args.set).shell_env(), end="")
-    except RecipeError as err:
-        print(err, file=sys.stderr)
-        return 2
-    except PlanError as err:
-        print(f"{args.recipe}: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="open-r1-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train as a recipe says (starts an embedded built-in server if none is given)")
     train.add_argument("recipe")
-    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    train.add_argument("--server-url", default=None)
-    train.add_argument("--ref-url", default=None)
+    add_recipe_arguments(train, server_urls=True)
     train.set_defaults(func=cmd_train)
 
     validate = sub.add_parser("validate", help="check recipes; exit status 1 if any is invalid")
     validate.add_argument("recipes", nargs="+")
-    validate.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_recipe_arguments(validate)
     validate.set_defaults(func=cmd_validate)
 
     new = sub.add_parser("new-recipe", help="copy a recipe for another model")
@@ -134,17 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="the server job(s) and the trainer job through submitit; cancels the servers at the end")
     launch.add_argument("recipe")
-    launch.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_recipe_arguments(launch)
     launch.add_argument("--executor", choices=("slurm", "local"), default="slurm",
                         help="slurm: sbatch jobs; local: the same jobs as processes on this machine")
     launch.add_argument("--dry-run", action="store_true", help="print both jobs' parameters and commands; submit nothing")
     launch.set_defaults(func=cmd_launch)
-
-    slurm_env = sub.add_parser("slurm-env", help="validate a recipe and print its jobs' sbatch options and commands "
-                                                 "as shell assignments (used by slurm/*.slurm)")
-    slurm_env.add_argument("recipe")
-    slurm_env.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    slurm_env.set_defaults(func=cmd_slurm_env)
 
     serve = sub.add_parser("serve", help="the built-in server (same flags as python -m open_r1_ext.server)", add_help=False)
     serve.set_defaults(func=cmd_serve)

@@ -2,7 +2,7 @@
 
 Reads top to bottom as the story of a run: load and validate the recipe, find the last checkpoint, load the
 prompts and rewards, find (or, for the built-in engine on a laptop, start) the servers, build the trainer,
-train, save. Server URLs come from `--server-url`/`--ref-url`, else the launcher's environment
+train, save. Server URLs come from `--server-url`/`--ref-url` (the launchers pass them), else the environment
 (`OPEN_R1_EXT_SERVER_URL`, `OPEN_R1_EXT_REF_URL`), else the recipe's
 `servers.generation.url`/`servers.reference.url`.
 """
@@ -28,25 +28,25 @@ SERVER_URL_ENV, REF_URL_ENV = "OPEN_R1_EXT_SERVER_URL", "OPEN_R1_EXT_REF_URL"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
+    from open_r1_ext.cli import add_recipe_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m open_r1_ext.train", description="GRPO with a remote reference and generation.")
+    parser.add_argument("--config", required=True, help="the recipe YAML")
+    add_recipe_arguments(parser, server_urls=True)
+    args = parser.parse_args(argv)
+    return train_recipe(args.config, args.set, args.server_url, args.ref_url)
+
+
+def train_recipe(path: str, overrides: list[str], server_url: Optional[str] = None, ref_url: Optional[str] = None) -> int:
+    """Load and validate the recipe, then train (`run`); 2 for an invalid recipe, with its problems on stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        recipe = load_recipe(args.config, args.set)
+        recipe = load_recipe(path, overrides)
     except RecipeError as err:
         print(err, file=sys.stderr)
         return 2
-    run(recipe, server_url=args.server_url, ref_url=args.ref_url)
+    run(recipe, server_url=server_url, ref_url=ref_url)
     return 0
-
-
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m open_r1_ext.train", description="GRPO with a remote reference and generation.")
-    parser.add_argument("--config", required=True, help="the recipe YAML")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a recipe value, e.g. --set trainer.max_steps=5 (repeatable)")
-    parser.add_argument("--server-url", default=None, help="generation server (and the reference's, with reference: generation)")
-    parser.add_argument("--ref-url", default=None, help="reference server, when the reference has a server of its own")
-    return parser.parse_args(argv)
 
 
 def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str] = None):

@@ -1,12 +1,16 @@
-"""Shared fixtures: tiny models built locally (no download) and built-in server processes on free ports."""
+"""Shared fixtures: tiny models built locally (no download), built-in server processes on free ports, the local
+SLURM cluster and a tiny run on it."""
 
+import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
 
 from tools.make_tiny_model import make_tiny_model
 
-from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.launch.local_server import BuiltinServer, free_port
+from tests.slurm_helpers import REPO, TinyRun
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +31,25 @@ def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-log") / "server.log"
     with BuiltinServer(str(tiny_model), log_path=str(log)) as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    """The local one-node cluster, started as CI does; a failure to start fails the tests with its output."""
+    started = subprocess.run(["bash", "tools/local_slurm.sh", "start"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert started.returncode == 0, f"tools/local_slurm.sh start failed:\n{started.stdout}\n{started.stderr}"
+
+
+@pytest.fixture()
+def tiny_run(tmp_path, tiny_model):
+    """A fresh run of the tiny recipe; afterwards every job of it still queued is cancelled, whatever the test did."""
+    name = f"t{uuid.uuid4().hex[:6]}"
+    overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path / 'run'}",
+                 f"servers.generation.port={free_port()}", "trainer.max_steps=4", f"slurm.job_name={name}"]
+    run = TinyRun(tmp_path / "run", name, overrides)
+    try:
+        yield run
+    finally:
+        leftover = [job_id for job_id, _, _ in run.jobs()]
+        if leftover:
+            subprocess.run(["scancel", *leftover], check=False)

@@ -1,8 +1,8 @@
 """`open-r1-ext launch`: the run through submitit, on the real local SLURM cluster and as local processes.
 
 One `launch(recipe, executor_factory)` for both executors: the server comes up, the trainer does its steps, and
-the server is cancelled afterwards, so nothing of the run is left. An interrupted launch (SIGTERM) cancels its
-jobs; `--dry-run` and an invalid recipe submit nothing; a preempted trainer requeues a fresh task.
+the trainer job cancels the server afterwards, so nothing of the run is left. An interrupted launch (SIGTERM)
+cancels its jobs; `--dry-run` and an invalid recipe submit nothing; a preempted trainer requeues a fresh task.
 """
 
 from __future__ import annotations
@@ -15,20 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from open_r1_ext.launch.submitit_launcher import EXECUTORS, JobRef, TrainerTask, launch
 from open_r1_ext.launch.recipe import load_recipe
 from open_r1_ext.launch.slurm_plan import SlurmPlan
-from test_slurm import (  # noqa: F401 - slurm_cluster and tiny_run are fixtures
-    JOB_WAIT_S,
-    RECIPE,
-    REPO,
-    assert_trained,
-    job_env,
-    run_script,
-    slurm_cluster,
-    tiny_run,
-    wait_until,
-)
+from open_r1_ext.launch.submitit_launcher import EXECUTORS, TrainerTask, launch
+from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, job_env, run_script, wait_until
 
 
 def processes_of(run) -> list[str]:
@@ -62,8 +52,10 @@ def test_launch_runs_the_servers_then_the_trainer_and_cancels_the_servers(execut
     assert all(f"'{role}': 'http://" in ready for role in roles), ready
     logs = tiny_run.run_dir / "logs"
     assert_trained(tiny_run, *logs.glob("trainer/*_0_log.out"), *(p for role in roles for p in logs.glob(f"{role}/*_0_log.out")))
-    assert "trainer job" in status and ": succeeded" in status
-    assert all(f"cancelled {role} job" in status for role in roles), status
+    ids = tiny_run.job_ids()
+    assert f"trainer job {ids['TRAINER_JOB']}: succeeded" in status
+    server_ids = " ".join(ids[f"{role.upper().replace('-', '_')}_JOB"] for role in roles)
+    assert f"trainer job {ids['TRAINER_JOB']}: cancelled server job(s) {server_ids}" in status, status
     tiny_run.wait_for_no_jobs()
     wait_until(lambda: not processes_of(tiny_run), 30, "the run's processes to exit")
 
@@ -110,15 +102,12 @@ def test_invalid_recipe_launches_nothing(slurm_cluster, tiny_run):
     assert not tiny_run.jobs() and not tiny_run.run_dir.exists()
 
 
-def test_preempted_trainer_stops_training_and_requeues_a_fresh_task(tiny_model, tmp_path, monkeypatch):
+def test_preempted_trainer_requeues_a_fresh_task(tiny_model, tmp_path, monkeypatch):
+    """submitit's `checkpoint` hands back a fresh task of the same run (the requeue rule and the stop of the training
+    process are the job runtime's: tests/test_jobs.py)."""
     monkeypatch.chdir(REPO)
     overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path}"]
-    servers = [JobRef("server", "12", "slurm")]
-    task = TrainerTask(SlurmPlan(load_recipe(RECIPE, overrides), overrides), servers)
-    task._process, task._job_id = subprocess.Popen(["sleep", "60"]), "34"
-    delayed = task.checkpoint()
-    assert task._process.wait(timeout=10) == -signal.SIGTERM  # training stops; it resumes from output_dir's last checkpoint
-    requeued = pickle.loads(pickle.dumps(delayed.function))
-    assert isinstance(requeued, TrainerTask) and requeued._process is None
-    assert requeued.servers == servers and requeued.plan.recipe_args() == task.plan.recipe_args()
-    assert "trainer job 34: preempted or out of time; requeued" in (tmp_path / "status.log").read_text()
+    task = TrainerTask(SlurmPlan(load_recipe(RECIPE, overrides), overrides))
+    requeued = pickle.loads(pickle.dumps(task.checkpoint().function))
+    assert isinstance(requeued, TrainerTask) and requeued is not task
+    assert requeued.plan.recipe_args() == task.plan.recipe_args()

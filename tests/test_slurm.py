@@ -1,126 +1,21 @@
-"""slurm/*.slurm on a real one-node SLURM cluster (tools/local_slurm.sh), and the plan they read (slurm_plan.py).
+"""slurm/*.slurm on a real one-node SLURM cluster (tools/local_slurm.sh), and the plan their jobs read (slurm_plan.py).
 
 End to end: `sbatch slurm/grpo.slurm` runs a server job and a trainer job on the tiny model, and nothing of the
 run is left in squeue afterwards; scancel of the server, or a server that never comes up, stops the trainer with
 an error naming the server job; an invalid recipe submits nothing. The plan tests need no cluster.
-`tests/test_launcher.py` imports the helpers and fixtures below.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
 import subprocess
-import sys
-import time
-import uuid
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from open_r1_ext.launch.jobs import JobContext, node_command
 from open_r1_ext.launch.recipe import load_recipe
-from open_r1_ext.launch.local_server import free_port
 from open_r1_ext.launch.slurm_plan import PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
-
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = "recipes/tiny/grpo.yaml"
-JOB_WAIT_S = 240  # bound of every wait for a run's jobs to finish
-
-
-# ------------------------------------------------------------------------------------------ helpers
-@pytest.fixture(scope="session")
-def slurm_cluster() -> None:
-    """The local one-node cluster, started as CI does; a failure to start fails the tests with its output."""
-    started = subprocess.run(["bash", "tools/local_slurm.sh", "start"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert started.returncode == 0, f"tools/local_slurm.sh start failed:\n{started.stdout}\n{started.stderr}"
-
-
-@dataclass
-class TinyRun:
-    """A run of the tiny recipe with its own output dir, server port and job-name prefix."""
-
-    run_dir: Path
-    job_name: str
-    overrides: list
-
-    @property
-    def set_args(self) -> list:
-        return [arg for item in self.overrides for arg in ("--set", item)]
-
-    def jobs(self) -> list[tuple[str, str, str]]:
-        """`(id, name, state)` of this run's jobs that squeue still lists."""
-        if not shutil.which("squeue"):
-            return []
-        out = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, check=True).stdout
-        return [tuple(line.split()) for line in out.splitlines() if line.split()[1].startswith(self.job_name)]
-
-    def job_ids(self) -> dict:
-        return dict(line.split("=", 1) for line in (self.run_dir / "jobs.env").read_text().splitlines())
-
-    def status(self) -> str:
-        path = self.run_dir / "status.log"
-        return path.read_text() if path.exists() else ""
-
-    def wait_for_no_jobs(self) -> None:
-        wait_until(lambda: not self.jobs(), JOB_WAIT_S, f"the jobs of {self.job_name} to leave squeue")
-
-
-@pytest.fixture()
-def tiny_run(tmp_path, tiny_model):
-    """A fresh run; afterwards every job of it still queued is cancelled, whatever the test did."""
-    name = f"t{uuid.uuid4().hex[:6]}"
-    overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path / 'run'}",
-                 f"servers.generation.port={free_port()}", "trainer.max_steps=4", f"slurm.job_name={name}"]
-    run = TinyRun(tmp_path / "run", name, overrides)
-    try:
-        yield run
-    finally:
-        leftover = [job_id for job_id, _, _ in run.jobs()]
-        if leftover:
-            subprocess.run(["scancel", *leftover], check=False)
-
-
-def job_env() -> dict:
-    """The submit shell's environment: this venv first on PATH (jobs inherit it), and its python for the scripts."""
-    return dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHON=sys.executable)
-
-
-def run_script(*args, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(list(map(str, args)), cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-def slurm_state(job_id: str) -> str:
-    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-    match = re.search(r"JobState=(\w+)", shown)
-    return match.group(1) if match else "GONE"
-
-
-def assert_trained(run: TinyRun, trainer_log: Path, *server_logs: Path) -> None:
-    """The trainer did its steps and saved the model; each server answered its requests; weights were synced."""
-    assert re.search(r"step\s+4\b", trainer_log.read_text()), trainer_log.read_text()[-3000:]
-    assert (run.run_dir / "model.safetensors").exists()
-    assert server_logs
-    for server_log in server_logs:
-        served = server_log.read_text()
-        assert re.search(r"POST (/ref)?/generate HTTP/1.1\" 200", served), served[-2000:]
-    sync_log = run.run_dir / "weight_sync.jsonl"
-    assert sync_log.exists(), f"no {sync_log}: the trainer confirmed no weight sync"
-    entries = [json.loads(line) for line in sync_log.read_text().splitlines() if line.strip()]
-    assert entries and all("weight_version" in e for e in entries)
+from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, run_script, slurm_state, wait_until
 
 
 # --------------------------------------------------------------------------------- plan (no SLURM)
@@ -163,12 +58,21 @@ def test_sglang_servers_span_nodes_and_the_trainer_gets_both_urls(tiny_model):
     assert train[-4:] == ["--server-url", "http://a:30000", "--ref-url", "http://b:30001"]
 
 
-def test_slurm_env_is_shell_that_round_trips(tiny_model):
-    plan = tiny_plan(tiny_model, "servers.api_key=it's $ecret", "trainer.output_dir=/runs/with space")
-    script = plan.shell_env() + 'printf "%s\\n" "$RUN_DIR" "${SERVER_ROLES[@]}" "${SERVER_SBATCH[@]: -2:1}" "$SERVER_CMD"'
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out[:3] == ["/runs/with space", "server", "--error=/runs/with space/logs/server-%j.err"]
-    assert out[3].endswith("--api-key 'it'\"'\"'s $ecret'")  # quoted for the task's `bash -c`
+def test_each_node_runs_its_own_command_from_the_slurm_environment(tiny_model):
+    """What `jobs node` (srun'd on every node) runs: exact words, no shell in between, rank and head from SLURM."""
+    sglang = "{engine: sglang, tp_size: 16, resources: {nodes: 2, gpus_per_node: 8}}"
+    plan = tiny_plan(tiny_model, "servers.api_key=it's $ecret", "trainer.output_dir=/runs/with space",
+                     f"servers.generation={sglang}", f"servers.reference={sglang}")
+    env = {"SLURM_JOB_ID": "42", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[3-4,7]", "SLURM_RESTART_COUNT": "2"}
+    ctx = JobContext.from_slurm_env(env)
+    assert (ctx.job_id, ctx.node_rank, ctx.nodes, ctx.head_node, ctx.restart_count) == ("42", 1, ("gpu3", "gpu4", "gpu7"), "gpu3", 2)
+    serve = node_command(plan, "ref-server", ctx, {})
+    assert serve[serve.index("--node-rank") + 1] == "1" and serve[serve.index("--dist-init-addr") + 1] == "gpu3:30101"
+    assert serve[serve.index("--api-key") + 1] == "it's $ecret"
+    train = node_command(plan, "trainer", ctx, {"server": "http://gpu9:30000", "ref-server": "http://gpu9:30001"})
+    assert train[train.index("--machine_rank") + 1] == "1" and train[train.index("--main_process_ip") + 1] == "gpu3"
+    assert train[-4:] == ["--server-url", "http://gpu9:30000", "--ref-url", "http://gpu9:30001"]
+    assert plan.sbatch_args("server")[-2] == "--error=/runs/with space/logs/server-%j.err"
 
 
 @pytest.mark.parametrize("override, key", [

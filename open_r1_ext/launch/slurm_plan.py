@@ -1,7 +1,7 @@
 """A recipe as SLURM jobs: each job's sbatch options, its per-node command, and the run directory's files.
 
-The one place both launch paths read: `slurm/*.slurm` through `open-r1-ext slurm-env` (shell assignments, see
-`SlurmPlan.shell_env`), and the submitit launcher (`launcher.py`) directly. Pure: nothing here submits or waits.
+What the job runtime (`jobs.py`, behind both `slurm/*.slurm` and the submitit launcher) reads; `describe` prints
+it for `--dry-run`. Pure: nothing here submits or waits.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
 SERVER_ROLES = {SERVER: "generation", REF_SERVER: "reference"}  # a server job's role in the recipe's `servers:`
 MAIN_PROCESS_PORT = 29500  # accelerate's rendezvous port on the trainer's first node
 DIST_INIT_PORT_OFFSET = 100  # SGLang's multi-node rendezvous: server port + this, on the server's first node
-POLL_S = 10  # seconds between progress lines (and watchdog checks) of every wait
+POLL_S = 10  # seconds between progress lines of every wait, and the longest interval between squeue calls
 
 
 class PlanError(ValueError):
@@ -27,7 +27,8 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class ShellVar:
-    """A value known only inside the job (node rank, first node, server URL): `"$NAME"` in shell commands."""
+    """A value known only inside the job (node rank, first node, server URL): `"$NAME"` where `--dry-run` prints a
+    command."""
 
     name: str
 
@@ -37,7 +38,7 @@ Word = Union[Part, tuple]  # a tuple of parts is one word, e.g. ("$HEAD_NODE", "
 
 
 def shell_join(words: Sequence[Word]) -> str:
-    """A command line for `bash -c`: literal parts quoted, `ShellVar`s left for the job's shell to expand."""
+    """A command line as a shell would take it: literal parts quoted, `ShellVar`s as `"$NAME"` placeholders."""
 
     def part(p: Part) -> str:
         return f'"${p.name}"' if isinstance(p, ShellVar) else shlex.quote(str(p))
@@ -103,6 +104,12 @@ class RunFiles:
         """Written (`host:port`) by a server job once its server answers /health; removed when it stops."""
         return self.run_dir / f"{role}.addr"
 
+    def log(self, role: str, job_id: str, launcher: str, stream: str) -> Path:
+        """A job's `out` or `err` log: `logs/<role>-<id>` under sbatch, submitit's `logs/<role>/<id>_0_log`."""
+        if launcher == "sbatch":
+            return self.logs / f"{role}-{job_id}.{stream}"
+        return self.logs / role / f"{job_id}_0_log.{stream}"
+
 
 class SlurmPlan:
     """The jobs of a run: one per server to start (`server` for generation, `ref-server` for a reference server of its
@@ -164,7 +171,7 @@ class SlurmPlan:
 
     # ------------------------------------------------------------- sbatch
     def sbatch_args(self, role: str) -> list[str]:
-        """The sbatch options of a job, as `slurm/grpo.slurm` passes them (they override the scripts' #SBATCH lines)."""
+        """The sbatch options of a job, as `jobs.submit_run` passes them (they override the scripts' #SBATCH lines)."""
         slurm, job = self.recipe.slurm, self.resources(role)
         optional = {"partition": slurm.partition, "account": slurm.account, "qos": slurm.qos,
                     "constraint": slurm.constraint, "cpus-per-task": job.cpus_per_task, "mem": job.mem,
@@ -173,8 +180,8 @@ class SlurmPlan:
         args += [f"--{key}={value}" for key, value in optional.items() if value is not None]
         args += ["--exclusive"] if slurm.exclusive else []
         args += self.extra_sbatch
-        logs = self.files.logs  # appended to, so a requeued job keeps the log of its earlier starts
-        return args + [f"--output={logs}/{role}-%j.out", f"--error={logs}/{role}-%j.err", "--open-mode=append"]
+        logs = [f"--output={self.files.log(role, '%j', 'sbatch', 'out')}", f"--error={self.files.log(role, '%j', 'sbatch', 'err')}"]
+        return args + logs + ["--open-mode=append"]  # appended to, so a requeued job keeps the log of its earlier starts
 
     def srun_args(self, role: str) -> list[str]:
         """One task per node, with the job's CPUs and GPUs (srun does not inherit --cpus-per-task)."""
@@ -245,29 +252,8 @@ class SlurmPlan:
         return ["--config", self.recipe_path, *(f"--set={item}" for item in self.overrides)]
 
     # ------------------------------------------------------------- output
-    def shell_env(self) -> str:
-        """Shell assignments for `eval` in slurm/*.slurm: the run's files, each job's sbatch/srun options and command.
-
-        Commands are strings for `srun ... bash -c "$X_CMD"`; each task's shell fills in `$SLURM_NODEID`,
-        `$HEAD_NODE` (first node of the job) and the server URLs (`$SERVER_URL`, `$REF_SERVER_URL`).
-        """
-        files = self.files
-        values: dict = {"RUN_DIR": files.run_dir, "LOG_DIR": files.logs, "STATUS_FILE": files.status,
-                        "JOBS_FILE": files.jobs, "SERVER_ROLES": self.server_roles,
-                        "SERVER_WAIT_S": int(self.server_wait_s), "POLL_S": POLL_S}
-        node, head, urls = self._job_placeholders()
-        for role in self.server_roles:
-            var = role_var(role)
-            values.update({f"{var}_SBATCH": self.sbatch_args(role), f"{var}_SRUN": self.srun_args(role),
-                           f"{var}_CMD": shell_join(self.server_command(role, node, head)),
-                           f"{var}_PORT": self.port(role), f"{var}_ADDR_FILE": files.addr(role)})
-        values.update({"TRAINER_SBATCH": self.sbatch_args(TRAINER), "TRAINER_SRUN": self.srun_args(TRAINER),
-                       "TRAINER_CMD": shell_join(self.trainer_command(node, head, urls))})
-        return "\n".join(f"{k}=({' '.join(map(shlex.quote, v))})" if isinstance(v, list) else f"{k}={shlex.quote(str(v))}"
-                         for k, v in values.items()) + "\n"
-
     def _job_placeholders(self) -> tuple:
-        """What only the job knows: its node rank, its first node, and the server URLs (for the trainer)."""
+        """What only the job knows, as placeholders for `describe`: its node rank, first node and the server URLs."""
         urls = {role: ShellVar(f"{role_var(role)}_URL") for role in self.server_roles}
         return ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE"), urls
 

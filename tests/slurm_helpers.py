@@ -1,0 +1,101 @@
+"""Helpers of the launch tests (tests/test_slurm.py, test_launcher.py, test_jobs.py): a tiny run with its own output
+dir, port and job names, the submit shell's environment, waits, and fake `squeue`/`scancel` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/tiny/grpo.yaml"
+JOB_WAIT_S = 240  # bound of every wait for a run's jobs to finish
+
+
+@dataclass
+class TinyRun:
+    """A run of the tiny recipe with its own output dir, server port and job-name prefix."""
+
+    run_dir: Path
+    job_name: str
+    overrides: list
+
+    @property
+    def set_args(self) -> list:
+        return [arg for item in self.overrides for arg in ("--set", item)]
+
+    def jobs(self) -> list[tuple[str, str, str]]:
+        """`(id, name, state)` of this run's jobs that squeue still lists."""
+        if not shutil.which("squeue"):
+            return []
+        out = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, check=True).stdout
+        return [tuple(line.split()) for line in out.splitlines() if line.split()[1].startswith(self.job_name)]
+
+    def job_ids(self) -> dict:
+        return dict(line.split("=", 1) for line in (self.run_dir / "jobs.env").read_text().splitlines())
+
+    def status(self) -> str:
+        path = self.run_dir / "status.log"
+        return path.read_text() if path.exists() else ""
+
+    def wait_for_no_jobs(self) -> None:
+        wait_until(lambda: not self.jobs(), JOB_WAIT_S, f"the jobs of {self.job_name} to leave squeue")
+
+
+def job_env() -> dict:
+    """The submit shell's environment: this venv first on PATH (jobs inherit it), and its python for the scripts."""
+    return dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHON=sys.executable)
+
+
+def run_script(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(list(map(str, args)), cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def slurm_state(job_id: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    match = re.search(r"JobState=(\w+)", shown)
+    return match.group(1) if match else "GONE"
+
+
+def assert_trained(run: TinyRun, trainer_log: Path, *server_logs: Path) -> None:
+    """The trainer did its steps and saved the model; each server answered its requests; weights were synced."""
+    assert re.search(r"step\s+4\b", trainer_log.read_text()), trainer_log.read_text()[-3000:]
+    assert (run.run_dir / "model.safetensors").exists()
+    assert server_logs
+    for server_log in server_logs:
+        served = server_log.read_text()
+        assert re.search(r"POST (/ref)?/generate HTTP/1.1\" 200", served), served[-2000:]
+    sync_log = run.run_dir / "weight_sync.jsonl"
+    assert sync_log.exists(), f"no {sync_log}: the trainer confirmed no weight sync"
+    entries = [json.loads(line) for line in sync_log.read_text().splitlines() if line.strip()]
+    assert entries and all("weight_version" in e for e in entries)
+
+
+def fake_slurm_commands(bin_dir: Path, squeue_lines: str = "", squeue_error: str = "") -> Path:
+    """`squeue` that prints `squeue_lines` (`ID|STATE|RESTARTS`, one a job), or fails with `squeue_error`, and
+    `scancel` that does nothing; both append their arguments to the returned file. Put `bin_dir` first on PATH."""
+    calls = bin_dir / "calls.log"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    squeue = f"echo {squeue_error!r} >&2; exit 1" if squeue_error else f"printf '%b' {squeue_lines!r}"
+    for name, body in (("squeue", squeue), ("scancel", "true")):
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{body}\n')
+        script.chmod(0o755)
+    return calls

@@ -1,0 +1,119 @@
+"""The job runtime behind both launch paths (open_r1_ext/launch/jobs.py), without a cluster: fake `squeue` and
+`scancel` on PATH record every call. One squeue call per poll for all of a run's jobs, backing off to POLL_S; the
+trainer job ends the run (cancels the live servers) unless SLURM is starting it again (the requeue rule)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+
+import pytest
+
+from open_r1_ext.launch import jobs
+from open_r1_ext.launch.jobs import SUBMITIT, JobContext, JobRef, JobWatch, LaunchError, end_run, run_trainer_job
+from open_r1_ext.launch.recipe import load_recipe
+from open_r1_ext.launch.slurm_plan import POLL_S, TRAINER, SlurmPlan
+from tests.slurm_helpers import RECIPE, REPO, fake_slurm_commands
+
+
+@pytest.fixture()
+def fake_slurm(tmp_path, monkeypatch):
+    """`make(squeue_lines)`: fake squeue/scancel first on PATH; returns the file of their calls."""
+    def make(squeue_lines: str = "", squeue_error: str = ""):
+        calls = fake_slurm_commands(tmp_path / "bin", squeue_lines, squeue_error)
+        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+        return calls
+    return make
+
+
+@pytest.fixture()
+def plan(tiny_model, tmp_path, monkeypatch):
+    """The tiny recipe with a server URL given (no server job), its run directory in tmp_path."""
+    monkeypatch.chdir(REPO)
+    overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path / 'run'}", "servers.generation.url=http://127.0.0.1:9"]
+    return SlurmPlan(load_recipe(RECIPE, overrides), overrides)
+
+
+@pytest.fixture()
+def signal_handlers():
+    """The job runtime installs its own SIGTERM/SIGHUP handlers; give pytest its own back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_context_needs_a_slurm_job():
+    with pytest.raises(LaunchError, match="submit this job with sbatch"):
+        JobContext.from_slurm_env({"PATH": "/bin"})
+
+
+def test_one_squeue_call_for_all_jobs_backing_off_to_poll_s(fake_slurm):
+    calls = fake_slurm("1|RUNNING|0\n2|PENDING|3\n")
+    now = [0.0]
+    refs = [JobRef("server", "1"), JobRef("ref-server", "2"), JobRef("trainer", "3")]
+    watch = JobWatch(refs, clock=lambda: now[0])
+    assert [watch.state(ref) for ref in refs] == ["RUNNING", "PENDING", "GONE"]  # 3: squeue no longer knows it
+    assert watch.restarts(refs[1]) == 3 and not watch.alive(refs[2])
+    assert calls.read_text().splitlines() == ["squeue -h --states=all -j 1,2,3 -O JobID:|,State:|,RestartCnt:"]
+    polled_at = [0.0]
+    for t in (0.5, 1.0, 1.5, 2.9, 3.0, 6.9, 7.0, 15.0, 24.0, 25.0, 35.0):
+        now[0] = t
+        before = len(calls.read_text().splitlines())
+        for ref in refs:
+            watch.state(ref)
+        if len(calls.read_text().splitlines()) > before:
+            polled_at.append(t)
+    assert polled_at == [0.0, 1.0, 3.0, 7.0, 15.0, 25.0, 35.0]  # intervals 1, 2, 4, 8, then POLL_S
+    assert POLL_S == 10
+    watch.refresh()  # before a decision: ask now
+    watch.state(refs[0])
+    assert len(calls.read_text().splitlines()) == len(polled_at) + 1
+
+
+def test_a_busy_controller_counts_as_alive(fake_slurm):
+    fake_slurm(squeue_error="slurm_load_jobs error: Socket timed out on send/recv operation")
+    server = JobRef("server", "1")
+    assert JobWatch([server]).state(server) == "UNKNOWN" and JobWatch([server]).alive(server)
+
+
+@pytest.mark.parametrize("server_state, cancelled", [("RUNNING", True), ("CANCELLED", False)])
+def test_the_trainer_job_ends_the_run_and_cancels_the_live_servers(fake_slurm, plan, server_state, cancelled):
+    calls = fake_slurm(f"77|COMPLETING|0\n5|{server_state}|0\n")
+    ctx = JobContext("77", 0, ("node-1",), restart_count=0)
+    me, server = JobRef(TRAINER, "77", log="/logs/trainer-77.err"), JobRef("server", "5")
+    end_run(plan, ctx, me, 1, [server], {"server": "http://node-2:30000"}, JobWatch([me, server]), echo=lambda m: None)
+    status = (plan.files.status).read_text()
+    if cancelled:
+        assert "trainer job 77: failed (exit 1); see /logs/trainer-77.err" in status
+        assert "trainer job 77: cancelled server job(s) 5" in status and "scancel 5" in calls.read_text()
+    else:
+        assert ("trainer job 77: failed (exit 1); server job 5 (http://node-2:30000) is no longer running (CANCELLED)"
+                in status)
+        assert "scancel" not in calls.read_text() and "cancelled" not in status.replace("(CANCELLED)", "")
+
+
+def test_a_requeued_trainer_stops_training_and_keeps_the_servers(fake_slurm, plan, monkeypatch, signal_handlers):
+    """submitit's checkpoint requeues the job through scontrol and exits (SystemExit, here from a SIGUSR2 handler):
+    SLURM then counts one restart more than this start's SLURM_RESTART_COUNT; sbatch's requeue does the same."""
+    calls = fake_slurm("77|REQUEUED|1\n")
+    started: list[subprocess.Popen] = []
+    spawn = jobs._spawn
+    monkeypatch.setattr(jobs, "node_command", lambda *args: ["sleep", "60"])
+    monkeypatch.setattr(jobs, "_spawn", lambda cmd: started.append(spawn(cmd)) or started[-1])
+
+    def exit_like_submitit(signum, frame):
+        raise SystemExit(-1)
+
+    signal.signal(signal.SIGUSR2, exit_like_submitit)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR2))
+    timer.start()
+    ctx = JobContext("77", 0, ("localhost",), restart_count=0, launcher=SUBMITIT)
+    with pytest.raises(SystemExit):
+        run_trainer_job(plan, ctx, echo=lambda m: None)
+    timer.cancel()
+    assert started and started[0].returncode == -signal.SIGTERM  # training stopped; it resumes from output_dir
+    assert "trainer job 77: requeued; it resumes from the last checkpoint, the servers stay up" in plan.files.status.read_text()
+    assert "scancel" not in calls.read_text()

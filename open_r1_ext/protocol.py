@@ -20,6 +20,9 @@ GREEDY_TEMPERATURE = 1e-6
 DEFAULT_WEIGHT_VERSION = "default"
 
 Number = Union[StrictInt, StrictFloat]
+# Ranges checked at the edge, so that no value that passes validation overflows later inside a shared batch.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # SGLang's `sampling_seed` is an i64
+TOP_K_MAX = 1 << 30  # SGLang's TOP_K_ALL; -1 (or 0) disables top-k
 
 
 class _Strict(BaseModel):
@@ -32,12 +35,12 @@ class SamplingParams(_Strict):
     max_new_tokens: StrictInt = Field(128, ge=0)
     temperature: Number = Field(1.0, ge=0.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = -1
+    top_k: StrictInt = Field(-1, ge=-1, le=TOP_K_MAX)
     stop_token_ids: Optional[list[StrictInt]] = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     n: StrictInt = Field(1, ge=1)
-    sampling_seed: Optional[StrictInt] = None
+    sampling_seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
     @property
     def greedy(self) -> bool:
@@ -105,9 +108,9 @@ class CompletionRequest(BaseModel):
     max_tokens: StrictInt = Field(16, ge=0)
     temperature: Number = Field(1.0, ge=0.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = -1
+    top_k: StrictInt = Field(-1, ge=-1, le=TOP_K_MAX)
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=0)
-    seed: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop_token_ids: Optional[list[StrictInt]] = None
     return_tokens_as_token_ids: StrictBool = False
     skip_special_tokens: StrictBool = True
@@ -115,9 +118,10 @@ class CompletionRequest(BaseModel):
     def prompts(self) -> list[list[int]]:
         return self.prompt if self.prompt and isinstance(self.prompt[0], list) else [self.prompt]  # type: ignore[return-value]
 
-    def sampling(self, seed: Optional[int]) -> SamplingParams:
+    def sampling(self) -> SamplingParams:
+        """The settings of every prompt (copy `i` of the request samples with `seed + i`, see the server)."""
         return SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, stop_token_ids=self.stop_token_ids, sampling_seed=seed,
+                              top_k=self.top_k, stop_token_ids=self.stop_token_ids, n=self.n, sampling_seed=self.seed,
                               skip_special_tokens=self.skip_special_tokens)
 
 

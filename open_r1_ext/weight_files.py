@@ -17,8 +17,9 @@ import json
 import mmap
 import os
 import shutil
+import stat
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import xxhash
@@ -50,9 +51,9 @@ def check_manifest(directory: Path, checksums: bool) -> None:
     its checksum: the dump must be sealed)."""
     for name, expected in _manifest_files(directory).items():
         path = directory / name
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise WeightFileError(f"{directory}: file {name} listed in {MANIFEST} is missing")
-        size = path.stat().st_size
+        size = _regular_file(path).stat().st_size
         if size != expected["size"]:
             raise WeightFileError(f"{directory}: file {name} has {size} bytes, {MANIFEST} says {expected['size']}")
         if not checksums:
@@ -65,23 +66,68 @@ def check_manifest(directory: Path, checksums: bool) -> None:
                                   "(damaged after it was written)")
 
 
+def _regular_file(path: Path) -> Path:
+    """`path`, if it is a regular file (links followed). Nothing else is ever opened: a FIFO would block the reader
+    forever, a device would never end."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as err:
+        raise WeightFileError(f"{path.parent}: cannot read {path.name}: {err.strerror}") from err
+    if not stat.S_ISREG(mode):
+        raise WeightFileError(f"{path.parent}: {path.name} is not a regular file")
+    return path
+
+
+def _read_json(path: Path) -> Any:
+    _regular_file(path)
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise WeightFileError(f"{path.parent}: {path.name} is not valid JSON: {err}") from err
+
+
+def _file_name(directory: Path, listing: str, name: Any) -> str:
+    """`name` from a manifest or index, if it names a file inside `directory` (relative, no `..`)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise WeightFileError(f"{directory}: {listing} names {name!r}, not a file name inside the directory")
+    return name
+
+
 def _manifest_files(directory: Path) -> dict[str, dict]:
-    return json.loads((directory / MANIFEST).read_text())["files"]
+    """The manifest's `files` (name -> `{"size": int, "xxh3_128"?: str}`), checked to have that shape."""
+    manifest = _read_json(directory / MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        got = type(files if isinstance(manifest, dict) else manifest).__name__
+        raise WeightFileError(f"{directory}: {MANIFEST}: 'files' must be a non-empty object (file name -> size), got {got}")
+    for name, entry in files.items():
+        _file_name(directory, MANIFEST, name)
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if type(size) is not int or size < 0:
+            raise WeightFileError(f"{directory}: {MANIFEST}: files[{name!r}].size must be a non-negative integer, got {size!r}")
+        if not isinstance(entry.get(CHECKSUM, ""), str):
+            raise WeightFileError(f"{directory}: {MANIFEST}: files[{name!r}].{CHECKSUM} must be a string")
+    return files
 
 
 def safetensors_files(directory: Path) -> list[Path]:
     """The shards of a transformers directory: those its index names, else every `*.safetensors` file."""
     index = directory / INDEX
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [n for n in names if not (directory / n).is_file()]
+    if os.path.lexists(index):
+        content = _read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightFileError(f"{directory}: {INDEX}: 'weight_map' must be a non-empty object (tensor name -> file), "
+                                  f"got {type(weight_map if isinstance(content, dict) else content).__name__}")
+        names = sorted({_file_name(directory, INDEX, n) for n in weight_map.values()})
+        missing = [n for n in names if not os.path.lexists(directory / n)]
         if missing:
             raise WeightFileError(f"{directory}: shards named in {INDEX} are missing: {', '.join(missing)}")
-        return [directory / n for n in names]
+        return [_regular_file(directory / n) for n in names]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise WeightFileError(f"{directory}: no *.safetensors files (is this a transformers model directory?)")
-    return files
+    return [_regular_file(f) for f in files]
 
 
 def read_weight_dir(directory: Path) -> dict[str, torch.Tensor]:
@@ -90,7 +136,7 @@ def read_weight_dir(directory: Path) -> dict[str, torch.Tensor]:
         raise WeightFileError(f"{directory}: no such directory")
     if (directory / INCOMPLETE).exists():
         raise WeightFileError(f"{directory}: an unfinished weight dump ({INCOMPLETE} is present); use a finished one")
-    if (directory / MANIFEST).is_file():
+    if os.path.lexists(directory / MANIFEST):
         check_manifest(directory, checksums=False)
     tensors: dict[str, torch.Tensor] = {}
     for path in safetensors_files(directory):

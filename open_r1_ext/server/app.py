@@ -2,8 +2,8 @@
 
     python -m open_r1_ext.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
 
-Routes are thin: they validate with `open_r1_ext.protocol`, hand work to the `Batcher`, and shape SGLang's
-responses. It serves the same client as a real SGLang server (`/generate`, `/update_weights_from_disk`,
+Routes are thin: they validate with `open_r1_ext.protocol` and `limits`, hand work to the `Batcher`, and shape
+SGLang's responses. Every malformed or oversized request gets HTTP 400 naming the field (or file) and the problem. It serves the same client as a real SGLang server (`/generate`, `/update_weights_from_disk`,
 `/get_model_info`, `/get_server_info`, `/health`, `/health_generate`, `/flush_cache`, `/v1/completions`).
 Two model slots: the policy at `/` and, under `/ref/...`, a second model (the reference, `--ref-model-path`,
 default the same weights) that reloads independently, so one process can host both roles of a GRPO run.
@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import hmac
 import logging
 import os
 import random
+import re
 from itertools import chain, islice
 from typing import Any, Optional
 
@@ -29,6 +31,7 @@ from fastapi.routing import APIRoute
 from open_r1_ext import __version__
 from open_r1_ext.server.batcher import Batcher
 from open_r1_ext.server.engine import DTYPES, GenerationTask, ModelEngine
+from open_r1_ext.server.limits import COMPLETION_FIELDS, GENERATE_FIELDS, BadRequest, Limits, check_request
 from open_r1_ext.protocol import (
     CompletionRequest,
     GenerateReqInput,
@@ -46,41 +49,61 @@ HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)  # /health_g
 LOAD_FORMATS = (None, "auto", "safetensors")
 
 
-class BadRequest(ValueError):
-    """A request that is well-formed JSON but asks for something this model cannot do."""
+# pydantic names the member of a union it tried in an error's location ("SamplingParams", "list[int]", "float"):
+# types, not fields, so they are left out of the field path a message names.
+_UNION_MEMBER = re.compile(r"^(int|float|str|bool|none|[A-Z]\w*|\w+\[.*\])$")
 
 
 def _describe_validation_error(err: RequestValidationError) -> str:
-    parts = []
+    """One `field.path: what is wrong` per field (a union's alternatives joined by "or"; a field whose
+    subfields failed is named by those only)."""
+    problems: dict[str, list[str]] = {}
     for e in err.errors():
         if e.get("type") == "json_invalid":
             return f"body is not valid JSON ({e.get('ctx', {}).get('error', 'decode error')})"
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{where or 'body'}: {e.get('msg')}")
-    return "; ".join(parts)
+        loc = list(e.get("loc", ()))
+        path = ""
+        for item in loc[1:] if loc[:1] == ["body"] else loc:
+            if isinstance(item, int):
+                path += f"[{item}]"
+            elif not _UNION_MEMBER.match(str(item)):
+                path += f".{item}" if path else str(item)
+        messages = problems.setdefault(path or "body", [])
+        if e.get("msg") not in messages:
+            messages.append(e.get("msg"))
+    deepest = [p for p in problems if not any(q.startswith((p + ".", p + "[")) for q in problems)]
+    return "; ".join(f"{p}: {' or '.join(problems[p])}" for p in deepest)
 
 
 REF_PREFIX = "/ref"
 
 
 def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[str] = None, random_seed: int = 0,
-               context_length: Optional[int] = None) -> FastAPI:
-    """The FastAPI application serving each `(engine, batcher)` slot under its URL prefix ("" is the root)."""
+               context_length: Optional[int] = None, limits: Optional[Limits] = None,
+               weight_dirs: Optional[list[str]] = None) -> FastAPI:
+    """The FastAPI application serving each `(engine, batcher)` slot under its URL prefix ("" is the root).
+    `limits`: what one request may ask for (default: `Limits()`); `weight_dirs`: the directories
+    `/update_weights_from_disk` may read below (None: any)."""
     app = FastAPI(title="open_r1_ext built-in server", version=__version__)
+    limits = limits or Limits()
+    allowed = None if weight_dirs is None else [os.path.realpath(d) for d in weight_dirs]
     for prefix, (engine, batcher) in slots.items():
-        app.include_router(slot_router(engine, batcher, random_seed, context_length), prefix=prefix)
+        app.include_router(slot_router(engine, batcher, random_seed, context_length, limits, allowed), prefix=prefix)
 
     if api_key:  # only then: the middleware costs every request a little
+        expected = f"Bearer {api_key}".encode()
 
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
             if not request.url.path.rsplit("/", 1)[-1].startswith("health"):
-                if request.headers.get("Authorization") != f"Bearer {api_key}":
+                given = request.headers.get("Authorization", "").encode("latin-1")  # how the header was decoded
+                if not hmac.compare_digest(given, expected):  # constant time: no timing hints about the key
                     return JSONResponse(status_code=401, content={"error": "Unauthorized"})
             return await call_next(request)
 
     work_routes = {f"{prefix}{route}": batcher for prefix, (_, batcher) in slots.items() for route in WORK_ROUTES}
     app.add_middleware(AnnounceWork, batchers=work_routes)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)  # outermost: before anything reads the body
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_request: Request, err: RequestValidationError):
@@ -107,15 +130,72 @@ class OrjsonRequest(Request):
 
 
 class OrjsonRoute(APIRoute):
-    """FastAPI's documented way to swap the request class of a route (here: `OrjsonRequest`)."""
+    """FastAPI's documented way to swap the request class of a route (here: `OrjsonRequest`). A route with a body
+    also refuses a body not sent as JSON, missing `Content-Type` included, with a message that says so (FastAPI
+    would validate the raw bytes and say "body: Input should be a valid dictionary")."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
+        takes_body = self.body_field is not None
 
         async def orjson_handler(request: Request):
+            content_type = request.headers.get("content-type")
+            if takes_body and not _is_json(content_type or ""):
+                message = f"Content-Type: {content_type or 'missing'!r} is not JSON; send the body as application/json"
+                return JSONResponse(status_code=400, content=error_body(message))
             return await handler(OrjsonRequest(request.scope, request.receive))
 
         return orjson_handler
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `max_bytes` (`--max-body-bytes`) gets 400 before it is read, by its
+    Content-Length; a body sent without one (chunked) is read here up to the limit, then handed on."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if int(length) > self.max_bytes:
+                return await self._refuse(scope, receive, send, int(length))
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send, f"more than {size}")
+        await self.app(scope, _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive), send)
+
+    async def _refuse(self, scope, receive, send, size) -> None:
+        message = f"body: {size} bytes, more than the server's limit (--max-body-bytes {self.max_bytes})"
+        await JSONResponse(status_code=400, content=error_body(message))(scope, receive, send)
+
+
+def _replay(messages: list[dict], then=None):
+    """An ASGI `receive` that returns `messages`, then defers to `then` (e.g. to hear of a disconnect)."""
+    pending = list(messages)
+
+    async def receive():
+        if pending:
+            return pending.pop(0)
+        return await then() if then is not None else {"type": "http.disconnect"}
+
+    return receive
 
 
 class AnnounceWork:
@@ -146,11 +226,15 @@ def _handed_in(request: Request) -> None:
         arrival.done()
 
 
-def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context_length: Optional[int]) -> APIRouter:
+def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context_length: Optional[int], limits: Limits,
+                weight_dirs: Optional[list[str]]) -> APIRouter:
     """The routes of one model slot."""
     app = APIRouter(route_class=OrjsonRoute)
     seeds = random.Random(random_seed)
     max_len = context_length or engine.context_length
+
+    def check(prompts, sampling, starts, fields) -> None:
+        check_request(prompts, sampling, starts, fields, limits, engine.vocab_size, max_len)
 
     @app.get("/health")
     async def health() -> Response:
@@ -206,10 +290,10 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput) -> JSONResponse:
         if obj.load_format not in LOAD_FORMATS:
             raise BadRequest(f"load_format {obj.load_format!r} is not supported by the built-in server; use 'auto'")
-        future = batcher.call_exclusive(lambda: engine.load_weights(obj.model_path, obj.weight_version, obj.mixup_alpha))
+        future = batcher.call_exclusive(lambda: engine.load_weights(_allowed(obj.model_path, weight_dirs), obj.weight_version, obj.mixup_alpha))
         try:
             message = await asyncio.wrap_future(future)
-        except (WeightFileError, OSError, ValueError, KeyError) as err:
+        except (WeightFileError, OSError) as err:
             logger.warning("weight update from %s refused: %s", obj.model_path, err)
             content = {"success": False, "message": str(err), "num_paused_requests": 0}
             return JSONResponse(status_code=400, content=content)
@@ -227,7 +311,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             raise BadRequest(str(err)) from err
         if obj.stream:
             raise BadRequest("stream: streaming is not supported by the built-in server")
-        _check_prompts(prompts, sampling, starts, engine.vocab_size, max_len)
+        check(prompts, sampling, starts, GENERATE_FIELDS)
 
         tasks: list[list[GenerationTask]] = []
         for prompt, params in zip(prompts, sampling):
@@ -261,12 +345,12 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     @app.post("/v1/completions")
     async def completions(obj: CompletionRequest, request: Request) -> dict:
         prompts = obj.prompts()
-        copies = [obj.sampling(None if obj.seed is None else obj.seed + i) for i in range(len(prompts) * obj.n)]
-        _check_prompts(prompts, copies[:: obj.n], [-1] * len(prompts), engine.vocab_size, max_len)
-        tasks = [
+        params = obj.sampling()
+        check(prompts, [params] * len(prompts), [-1] * len(prompts), COMPLETION_FIELDS)
+        tasks = [  # copy i samples with seed + i (at most 2**63 - 1 + --max-request-tokens: within a torch seed)
             GenerationTask(prompt=list(prompts[i // obj.n]), params=params,
-                           seed=params.sampling_seed if params.sampling_seed is not None else seeds.getrandbits(63))
-            for i, params in enumerate(copies)
+                           seed=obj.seed + i if obj.seed is not None else seeds.getrandbits(63))
+            for i in range(len(prompts) * obj.n)
         ]
         future = asyncio.wrap_future(batcher.generate(tasks))
         _handed_in(request)
@@ -288,25 +372,15 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     return app
 
 
-def _check_prompts(prompts, sampling, starts, vocab_size: int, max_len: int) -> None:
-    if not prompts:
-        raise BadRequest("input_ids: empty batch")
-    for index, (prompt, params, start) in enumerate(zip(prompts, sampling, starts)):
-        if not prompt:
-            raise BadRequest(f"input_ids[{index}]: empty sequence")
-        bad = [t for t in prompt if not 0 <= t < vocab_size] if min(prompt) < 0 or max(prompt) >= vocab_size else None
-        if bad:
-            raise BadRequest(f"input_ids[{index}]: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        if len(prompt) + params.max_new_tokens > max_len:
-            raise BadRequest(
-                f"input_ids[{index}]: the input ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
-                f"is longer than the model's context length ({max_len} tokens)"
-            )
-        if not -1 <= start < len(prompt):
-            raise BadRequest(f"logprob_start_len[{index}]: {start} is outside [-1, {len(prompt) - 1}]")
-        stops = [t for t in params.stop_token_ids or () if not 0 <= t < vocab_size]
-        if stops:
-            raise BadRequest(f"sampling_params.stop_token_ids: token id {stops[0]} is outside the vocabulary")
+def _allowed(model_path: str, weight_dirs: Optional[list[str]]) -> str:
+    """`model_path` if it lies below one of `weight_dirs` (after resolving links; None allows any), else
+    `WeightFileError`: a client with the API key still cannot make the server read other paths."""
+    if weight_dirs is not None:
+        real = os.path.realpath(model_path)
+        if not any(os.path.commonpath([real, d]) == d for d in weight_dirs):
+            raise WeightFileError(f"model_path: {model_path} is not below a directory this server may read weights from "
+                                  f"(--weight-dirs {' '.join(weight_dirs)})")
+    return model_path
 
 
 def _token_texts(engine: ModelEngine, ids: list[int], want_text: bool):
@@ -358,6 +432,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-tokens", type=int, default=32768, help="padded tokens per scoring forward")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch CPU threads (default on CPU: half the cores, leaving the rest to a trainer beside it)")
+    parser.add_argument("--max-n", type=int, default=Limits.max_n, help="most copies (n) per prompt")
+    parser.add_argument("--max-batch-items", type=int, default=Limits.max_batch_items, help="most prompts per request")
+    parser.add_argument("--max-request-tokens", type=int, default=Limits.max_request_tokens,
+                        help="most tokens per request: the sum over its prompts of n x (prompt + max_new_tokens)")
+    parser.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes, help="largest request body")
+    parser.add_argument("--weight-dirs", nargs="+", default=None, metavar="DIR",
+                        help="/update_weights_from_disk reads only below these directories (default: anywhere); "
+                             "launchers pass the run's sync_dir")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -379,7 +461,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         engine = ModelEngine(path, dtype=args.dtype, device=args.device)
         slots[prefix] = (engine, Batcher(engine, max_wait_ms=args.max_batch_wait_ms, max_batch_tokens=args.max_batch_tokens))
         logger.info("slot %s: %s (%s, %s)", prefix or "/", path, engine.dtype, engine.device)
-    app = create_app(slots, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length)
+    limits = Limits(max_n=args.max_n, max_batch_items=args.max_batch_items, max_request_tokens=args.max_request_tokens,
+                    max_body_bytes=args.max_body_bytes)
+    app = create_app(slots, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length,
+                     limits=limits, weight_dirs=args.weight_dirs)
     # The hundreds of thousands of objects torch, transformers and FastAPI leave on the heap are permanent: keep the
     # garbage collector from re-scanning them after every response (measured: ~90 ms of CPU per 32x256 request).
     gc.collect()

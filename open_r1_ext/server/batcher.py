@@ -4,7 +4,8 @@ HTTP handlers submit work and await a future; one worker thread collects what ar
 runs all scoring in padded forwards and all sampling in one decode loop, then hands each caller its slice. The
 window only waits for requests the HTTP layer has announced (`expect()`) and not yet handed in: a lone request
 starts at once.
-Weight updates go through the same queue, so batches in flight finish on the old weights first.
+Weight updates go through the same queue, so batches in flight finish on the old weights first. A batch that fails
+is run again one request at a time, so an error reaches only the request that caused it.
 """
 
 from __future__ import annotations
@@ -155,14 +156,18 @@ class Batcher:
         if gens:
             self._guarded(gens, self._generate_all)
 
-    @staticmethod
-    def _guarded(works: list[_Work], run: Callable[[list[_Work]], list[Any]]) -> None:
+    def _guarded(self, works: list[_Work], run: Callable[[list[_Work]], list[Any]]) -> None:
+        """Run `works` as one batch; if it fails, run each request alone, so only the one that fails gets its error."""
         try:
             results = run(works)
-        except Exception as err:  # noqa: BLE001 - every waiting request gets the error
-            logger.exception("batch failed")
-            for w in works:
-                w.future.set_exception(err)
+        except Exception as err:  # noqa: BLE001 - handed to the request that caused it
+            if len(works) > 1:
+                logger.warning("a batch of %d requests failed (%s: %s); running each alone", len(works), type(err).__name__, err)
+                for w in works:
+                    self._guarded([w], run)
+                return
+            logger.exception("request failed")
+            works[0].future.set_exception(err)
             return
         for w, result in zip(works, results):
             w.future.set_result(result)

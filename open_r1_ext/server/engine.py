@@ -86,10 +86,10 @@ class ModelEngine:
         """
         from transformers import DynamicCache
 
+        for task in tasks:  # from scratch: the batcher re-runs the tasks of a failed batch one request at a time
+            task.output_ids, task.output_logprobs = [], []
+            task.finish = ("length", 0) if task.params.max_new_tokens == 0 else None
         active = [t for t in tasks if t.params.max_new_tokens > 0]
-        for task in tasks:
-            if task.params.max_new_tokens == 0:
-                task.finish = ("length", 0)
         if not active:
             return tasks
         longest = max(len(t.prompt) for t in active)
@@ -152,7 +152,8 @@ class ModelEngine:
     def load_weights(self, path: str, weight_version: Optional[str], mixup_alpha: Optional[float] = None) -> str:
         """Replace the weights with those in `path` (a transformers directory), all or nothing.
 
-        Every tensor is read and checked against the model's names and shapes before any parameter changes;
+        Every tensor is read and checked against the model's names and shapes, and to be floating point with finite
+        values (NaN or Inf would poison every log-prob after it), before any parameter changes;
         on a problem `WeightFileError` is raised and the old weights stay in service. With `mixup_alpha`,
         each parameter becomes `alpha * new + (1 - alpha) * old`.
         """
@@ -166,10 +167,15 @@ class ModelEngine:
         if missing:
             raise WeightFileError(f"{path}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
         for name, param in params.items():
-            if tuple(tensors[name].shape) != tuple(param.shape):
+            tensor = tensors[name]
+            if tuple(tensor.shape) != tuple(param.shape):
                 raise WeightFileError(
-                    f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, the served model needs {tuple(param.shape)}"
+                    f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the served model needs {tuple(param.shape)}"
                 )
+            if not tensor.is_floating_point():
+                raise WeightFileError(f"{path}: tensor {name} is {tensor.dtype}, not floating point (would be cast to {param.dtype})")
+            if not _all_finite(tensor):
+                raise WeightFileError(f"{path}: tensor {name} has NaN or Inf values")
         for name, param in params.items():
             new = tensors[name].to(device=param.device, dtype=param.dtype)
             if mixup_alpha is None or mixup_alpha == 1.0:
@@ -180,6 +186,12 @@ class ModelEngine:
         self.weight_version = weight_version if weight_version is not None else self.weight_version
         how = f"mixed with alpha={mixup_alpha}" if mixup_alpha not in (None, 1.0) else "loaded"
         return f"Succeeded to update model weights: {how} {len(params)} tensors from {path}."
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf in `tensor`. A NaN or Inf makes the sum non-finite; the sum (one fast pass, no temporary) can
+    also overflow on finite values (float16), so only then is every element checked."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,6 @@ class RemoteGRPOTrainer(GRPOTrainer):
                 self.weight_sync.targets.append(self.reference_target)
         self.remote_generation = remote_generation(self, self.weight_sync)
         if self.remote_generation is not None:
-            self.vllm_mode = REMOTE_VLLM_MODE
             self._use_importance_sampling(args.vllm_importance_sampling_correction)
         self._check_servers()
         self.add_callback(WeightSyncCallback(self))
@@ -98,8 +97,9 @@ class RemoteGRPOTrainer(GRPOTrainer):
     # ----------------------------------------------------------------- set-up
     def _use_importance_sampling(self, enabled: bool) -> None:
         """TRL applies its truncated importance-sampling correction (sampling log-probs vs. the trainer's) only
-        where `use_vllm` is true; remote generation switches it through that flag, here only."""
-        self.use_vllm = bool(enabled)
+        where `use_vllm` is true; remote generation switches it through that flag, here only, with `vllm_mode` set to
+        one that names no vLLM engine (`REMOTE_VLLM_MODE`)."""
+        self.use_vllm, self.vllm_mode = bool(enabled), REMOTE_VLLM_MODE
 
     def _check_servers(self) -> None:
         """Wait for each server, then refuse to train if it serves another model or vocabulary than ours."""

@@ -304,7 +304,7 @@ def run_server_job(plan: SlurmPlan, role: str, ctx: JobContext, echo: Echo = log
     answers, and stop once the run's trainer job is gone. Returns the job's exit status."""
     if role not in plan.server_roles:
         raise LaunchError(f"recipe {plan.recipe_path} starts no {role} (its servers: "
-                          f"{', '.join(plan.server_roles) or 'none; server.url is given'})")
+                          f"{', '.join(plan.server_roles) or 'none: every role has a url or runs on the trainer'})")
     files, me, address = plan.files, f"{role} job {ctx.job_id}", f"{ctx.head_node}:{plan.port(role)}"
     stop_on_signals()
     files.logs.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,8 @@ def fake_slurm(tmp_path, monkeypatch):
 def plan(tiny_model, tmp_path, monkeypatch):
     """The tiny recipe with a server URL given (no server job), its run directory in tmp_path."""
     monkeypatch.chdir(REPO)
-    overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path / 'run'}", "servers.generation.url=http://127.0.0.1:9"]
+    overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path / 'run'}",
+                 "servers.generation.url=http://127.0.0.1:9"]
     return SlurmPlan(load_recipe(RECIPE, overrides), overrides)
 
 
@@ -115,5 +116,6 @@ def test_a_requeued_trainer_stops_training_and_keeps_the_servers(fake_slurm, pla
         run_trainer_job(plan, ctx, echo=lambda m: None)
     timer.cancel()
     assert started and started[0].returncode == -signal.SIGTERM  # training stopped; it resumes from output_dir
-    assert "trainer job 77: requeued; it resumes from the last checkpoint, the servers stay up" in plan.files.status.read_text()
+    status = plan.files.status.read_text()
+    assert "trainer job 77: requeued; it resumes from the last checkpoint, the servers stay up" in status
     assert "scancel" not in calls.read_text()

@@ -114,15 +114,21 @@ def test_grpo_slurm_runs_server_and_trainer_and_leaves_no_job(slurm_cluster, tin
     assert not (tiny_run.run_dir / "server.addr").exists()  # withdrawn when the server stopped
 
 
-def test_scancel_of_the_server_stops_the_trainer_with_an_error_naming_it(slurm_cluster, tiny_run):
-    tiny_run.overrides += ["trainer.max_steps=500", "trainer.max_retries=2", "trainer.request_timeout=10"]
-    submitted = run_script("bash", "slurm/grpo.slurm", RECIPE, *tiny_run.set_args)
+def start_long_run(run) -> tuple[str, str]:
+    """`bash slurm/grpo.slurm` of a 500-step run; `(server job, trainer job)` once the trainer has done a step."""
+    run.overrides.append("trainer.max_steps=500")
+    submitted = run_script("bash", "slurm/grpo.slurm", RECIPE, *run.set_args)
     assert submitted.returncode == 0, submitted.stderr
-    ids = tiny_run.job_ids()
-    server, trainer = ids["SERVER_JOB"], ids["TRAINER_JOB"]
-    trainer_out = tiny_run.run_dir / "logs" / f"trainer-{trainer}.out"
+    ids = run.job_ids()
+    trainer_out = run.run_dir / "logs" / f"trainer-{ids['TRAINER_JOB']}.out"
     wait_until(lambda: trainer_out.exists() and re.search(r"step\s+1\b", trainer_out.read_text()), JOB_WAIT_S,
                "the trainer's first step")
+    return ids["SERVER_JOB"], ids["TRAINER_JOB"]
+
+
+def test_scancel_of_the_server_stops_the_trainer_with_an_error_naming_it(slurm_cluster, tiny_run):
+    tiny_run.overrides += ["trainer.max_retries=2", "trainer.request_timeout=10"]
+    server, trainer = start_long_run(tiny_run)
     subprocess.run(["scancel", server], check=True)
     tiny_run.wait_for_no_jobs()
     assert slurm_state(trainer) == "FAILED"
@@ -131,6 +137,19 @@ def test_scancel_of_the_server_stops_the_trainer_with_an_error_naming_it(slurm_c
     assert failure in tiny_run.status()
     trainer_err = (tiny_run.run_dir / "logs" / f"trainer-{trainer}.err").read_text()
     assert failure in trainer_err and url in trainer_err.split(failure)[0]  # the trainer's own error names the URL
+
+
+def test_a_requeued_trainer_keeps_its_servers_which_stop_once_it_is_gone(slurm_cluster, tiny_run):
+    """The requeue rule under sbatch (scontrol's restart count above the job's SLURM_RESTART_COUNT), then the
+    server's watchdog: the trainer, cancelled while pending again, never runs its end; the server stops by itself."""
+    server, trainer = start_long_run(tiny_run)
+    subprocess.run(["scontrol", "requeue", trainer], check=True)
+    wait_until(lambda: f"trainer job {trainer}: requeued; it resumes from the last checkpoint" in tiny_run.status(), 60,
+               "the trainer job to record its requeue")
+    assert slurm_state(server) == "RUNNING" and "cancelled server job" not in tiny_run.status()
+    subprocess.run(["scancel", trainer], check=True)
+    tiny_run.wait_for_no_jobs()
+    assert f"server job {server}: trainer job {trainer} is gone (CANCELLED); stopping the server" in tiny_run.status()
 
 
 def test_a_server_that_never_comes_up_fails_the_trainer_naming_the_server_job(slurm_cluster, tiny_run):

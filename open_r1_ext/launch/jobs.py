@@ -19,13 +19,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from open_r1_ext.launch.slurm_plan import POLL_S, REF_SERVER, SERVER, TRAINER, RunFiles, SlurmPlan, argv, role_var
+from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, SUBMITIT, TRAINER, RunFiles, SlurmPlan,
+                                           argv, role_var)
 from open_r1_ext.sglang_client import SGLangClient
 
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"  # serve.slurm and train.slurm, submitted by `submit`
-SBATCH, SUBMITIT = "sbatch", "submitit"  # the two launchers; each names its jobs' log files its own way
-# squeue states of a job that may still run (a requeued trainer is PENDING again); UNKNOWN: squeue failed for another
-# reason than an unknown job id (a busy controller), so a run is never cut short on a hiccup
+# SLURM states of a job that may still run (a requeued trainer is PENDING again); UNKNOWN: SLURM did not answer for
+# another reason than an unknown job id (a busy controller), so a run is never cut short on a hiccup
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                  "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "UNKNOWN"}
 SIGTERM_EXIT = 128 + signal.SIGTERM  # how a job stopped by scancel, a time limit or Ctrl-C exits
@@ -68,8 +68,8 @@ class JobContext:
         from submitit.slurm.slurm import _parse_node_list  # SLURM_JOB_NODELIST's compressed form, e.g. gpu[1-3,7]
 
         if "SLURM_JOB_ID" not in env:
-            raise LaunchError("no SLURM_JOB_ID in the environment: submit this job with sbatch (sbatch slurm/grpo.slurm "
-                              "RECIPE, or bash slurm/grpo.slurm RECIPE), not directly")
+            raise LaunchError("no SLURM_JOB_ID in the environment: submit this job with sbatch "
+                              "(sbatch slurm/grpo.slurm RECIPE, or bash slurm/grpo.slurm RECIPE), not directly")
         return cls(env["SLURM_JOB_ID"], int(env.get("SLURM_NODEID", "0")),
                    tuple(_parse_node_list(env["SLURM_JOB_NODELIST"])), int(env.get("SLURM_RESTART_COUNT", "0")))
 
@@ -103,7 +103,7 @@ class JobRef:
 
 # ------------------------------------------------------------------------------------ job states
 class JobWatch:
-    """The states of a run's jobs: one `squeue` call for all of its SLURM jobs (local jobs: /proc), made at most
+    """The states of a run's jobs: one SLURM query for all of its SLURM jobs (local jobs: /proc), made at most
     every `interval` seconds; like submitit's watcher it backs off, the interval doubling from `min_s` to `max_s`."""
 
     def __init__(self, refs: Sequence[JobRef] = (), min_s: float = 1.0, max_s: float = POLL_S,
@@ -138,12 +138,12 @@ class JobWatch:
             self._polled_at = now
             slurm_ids = [ref.job_id for ref in self.refs if ref.executor == "slurm"]
             self._states = {ref.job_id: (_local_state(ref.job_id), 0) for ref in self.refs if ref.executor == "local"}
-            self._states.update(squeue(slurm_ids) if slurm_ids else {})
+            self._states.update(slurm_states(slurm_ids) if slurm_ids else {})
         return self._states
 
 
-def squeue(job_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
-    """`{job id: (state, restart count)}` from one squeue call; a job squeue no longer knows is `GONE`."""
+def slurm_states(job_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """`{job id: (state, restart count)}` from one call for all the jobs; a job SLURM no longer knows is `GONE`."""
     out = subprocess.run(["squeue", "-h", "--states=all", "-j", ",".join(job_ids), "-O", "JobID:|,State:|,RestartCnt:"],
                          capture_output=True, text=True)
     if out.returncode and "Invalid job id" not in out.stderr:
@@ -256,9 +256,11 @@ def job_args(plan: SlurmPlan) -> list[str]:
     return [plan.recipe_path, *(f"--set={item}" for item in plan.overrides)]
 
 
-def start_on_nodes(plan: SlurmPlan, role: str, ctx: JobContext, urls: Mapping[str, str] = {}) -> subprocess.Popen:
+def start_on_nodes(plan: SlurmPlan, role: str, ctx: JobContext,
+                   urls: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
     """The job's command on its nodes: from sbatch's batch step, one srun task a node (`jobs node`, which computes
     the node's command from its rank); under submitit, which runs the task on every node, this node's command."""
+    urls = urls or {}
     if ctx.launcher == SBATCH:
         url_args = [arg for flag, r in (("--server-url", SERVER), ("--ref-url", REF_SERVER)) if r in urls
                     for arg in (flag, urls[r])]
@@ -293,7 +295,8 @@ def raise_interrupt(signum, frame) -> None:
 
 
 def stop_on_signals() -> None:
-    """SIGTERM (scancel, time limit) and SIGHUP end a job like Ctrl-C, so its clean-up runs (submitit ignores SIGTERM)."""
+    """SIGTERM (scancel, time limit) and SIGHUP end a job like Ctrl-C, so its clean-up runs (submitit would ignore
+    SIGTERM)."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, raise_interrupt)
 
@@ -334,7 +337,8 @@ def run_server_job(plan: SlurmPlan, role: str, ctx: JobContext, echo: Echo = log
 
 def _advertise_when_healthy(plan: SlurmPlan, role: str, process: subprocess.Popen, address: str, me: str,
                             echo: Echo) -> None:
-    client, start, next_progress = SGLangClient(f"http://{address}"), time.monotonic(), POLL_S  # /health needs no API key
+    client = SGLangClient(f"http://{address}")  # /health needs no API key
+    start, next_progress = time.monotonic(), POLL_S
     while not client.is_healthy(timeout=5.0):
         elapsed = time.monotonic() - start
         if process.poll() is not None:
@@ -455,7 +459,7 @@ def submit_run(plan: SlurmPlan, echo: Echo = log) -> int:
         raise
     ids = [ref.job_id for ref in submitted]
     print(f"run {plan.files.run_dir}: jobs {' '.join(ids)} (ids in {plan.files.jobs})\n"
-          f"  follow: squeue -j {','.join(ids)}; tail -f {plan.files.logs}/*.out; cat {plan.files.status}")
+          f"  follow: tail -f {plan.files.logs}/*.out; cat {plan.files.status}")
     return 0
 
 
@@ -471,15 +475,17 @@ def _sbatch(plan: SlurmPlan, role: str, script_args: list[str], options: list[st
 
 
 # ---------------------------------------------------------------------------------- entry point
-def main(argv_: Optional[list[str]] = None) -> int:
+def main(cli_args: Optional[list[str]] = None) -> int:
     from open_r1_ext.cli import add_recipe_arguments
     from open_r1_ext.launch.recipe import RecipeError, load_recipe
     from open_r1_ext.launch.slurm_plan import PlanError
 
     parser = argparse.ArgumentParser(prog="python -m open_r1_ext.launch.jobs", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="job", required=True)
-    for name, help_ in (("submit", "submit a run's jobs (slurm/grpo.slurm)"), ("server", "a server job (slurm/serve.slurm)"),
-                        ("trainer", "the trainer job (slurm/train.slurm)"), ("node", "one node's command, under srun")):
+    for name, help_ in (("submit", "submit a run's jobs (slurm/grpo.slurm)"),
+                        ("server", "a server job (slurm/serve.slurm)"),
+                        ("trainer", "the trainer job (slurm/train.slurm)"),
+                        ("node", "one node's command, under srun")):
         job = sub.add_parser(name, help=help_)
         if name == "node":
             job.add_argument("role", choices=(SERVER, REF_SERVER, TRAINER))
@@ -487,7 +493,7 @@ def main(argv_: Optional[list[str]] = None) -> int:
         add_recipe_arguments(job, server_urls=name == "node")
         if name == "server":
             job.add_argument("--role", choices=(SERVER, REF_SERVER), default=SERVER)
-    args = parser.parse_args(argv_)
+    args = parser.parse_args(cli_args)
     try:
         plan = SlurmPlan(load_recipe(args.recipe, args.set), args.set)
         if args.job == "submit":
@@ -499,17 +505,18 @@ def main(argv_: Optional[list[str]] = None) -> int:
             return run_trainer_job(plan, ctx)
         urls = {SERVER: args.server_url, REF_SERVER: args.ref_url}
         cmd = node_command(plan, args.role, ctx, {role: url for role, url in urls.items() if url})
-        os.execv(cmd[0], cmd)
+        os.execv(cmd[0], cmd)  # this node's server or trainer replaces the entry: srun signals it directly
     except RecipeError as err:
         log(f"{err}\nnothing started")
+        return 2
     except PlanError as err:
         log(f"{args.recipe}: {err}\nnothing started")
+        return 2
     except LaunchError as err:
         log(str(err))
         return 1
     except KeyboardInterrupt:
         return SIGTERM_EXIT
-    return 2
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ SERVER_ROLES = {SERVER: "generation", REF_SERVER: "reference"}  # a server job's
 MAIN_PROCESS_PORT = 29500  # accelerate's rendezvous port on the trainer's first node
 DIST_INIT_PORT_OFFSET = 100  # SGLang's multi-node rendezvous: server port + this, on the server's first node
 POLL_S = 10  # seconds between progress lines of every wait, and the longest interval between squeue calls
+SBATCH, SUBMITIT = "sbatch", "submitit"  # the two launchers; each names its jobs' log files its own way
 
 
 class PlanError(ValueError):
@@ -106,7 +107,7 @@ class RunFiles:
 
     def log(self, role: str, job_id: str, launcher: str, stream: str) -> Path:
         """A job's `out` or `err` log: `logs/<role>-<id>` under sbatch, submitit's `logs/<role>/<id>_0_log`."""
-        if launcher == "sbatch":
+        if launcher == SBATCH:
             return self.logs / f"{role}-{job_id}.{stream}"
         return self.logs / role / f"{job_id}_0_log.{stream}"
 
@@ -180,7 +181,7 @@ class SlurmPlan:
         args += [f"--{key}={value}" for key, value in optional.items() if value is not None]
         args += ["--exclusive"] if slurm.exclusive else []
         args += self.extra_sbatch
-        logs = [f"--output={self.files.log(role, '%j', 'sbatch', 'out')}", f"--error={self.files.log(role, '%j', 'sbatch', 'err')}"]
+        logs = [f"--output={self.files.log(role, '%j', SBATCH, 'out')}", f"--error={self.files.log(role, '%j', SBATCH, 'err')}"]
         return args + logs + ["--open-mode=append"]  # appended to, so a requeued job keeps the log of its earlier starts
 
     def srun_args(self, role: str) -> list[str]:

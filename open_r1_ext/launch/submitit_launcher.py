@@ -17,11 +17,11 @@ import submitit
 from submitit.helpers import Checkpointable, DelayedSubmission
 from submitit.local.local import LocalJob
 
-from open_r1_ext.launch.jobs import (SIGTERM_EXIT, SUBMITIT, JobContext, JobRef, JobWatch, LaunchError, cancel,
+from open_r1_ext.launch.jobs import (SIGTERM_EXIT, JobContext, JobRef, JobWatch, LaunchError, cancel,
                                      prepare_run_dir, raise_interrupt, record, run_server_job, run_trainer_job,
                                      wait_for_server, write_jobs_file)
 from open_r1_ext.launch.recipe import Recipe
-from open_r1_ext.launch.slurm_plan import POLL_S, TRAINER, SlurmPlan
+from open_r1_ext.launch.slurm_plan import POLL_S, SUBMITIT, TRAINER, SlurmPlan
 
 ExecutorFactory = Callable[[Path], submitit.Executor]
 
@@ -47,7 +47,8 @@ class ServerTask:
     def __call__(self) -> int:
         ctx = JobContext.from_submitit()
         # a server job ends when it is cancelled (by its trainer job): that is no failure
-        return _succeeded(run_server_job(self.plan, self.role, ctx), f"{self.role} job {ctx.job_id}", ok=(0, SIGTERM_EXIT))
+        code = run_server_job(self.plan, self.role, ctx)
+        return _succeeded(code, f"{self.role} job {ctx.job_id}", ok=(0, SIGTERM_EXIT))
 
 
 class TrainerTask(Checkpointable):
@@ -138,7 +139,8 @@ def follow_trainer(plan: SlurmPlan, job: submitit.Job, trainer: JobRef, echo) ->
     while not job.paths.result_pickle.exists() and watch.alive(trainer):
         elapsed = time.monotonic() - start
         if elapsed >= next_progress:
-            echo(f"{trainer}: {watch.state(trainer)} for {elapsed:.0f} s; last log line: {_last_line(job.paths.stdout)}")
+            echo(f"{trainer}: {watch.state(trainer)} for {elapsed:.0f} s; "
+                 f"last log line: {_last_line(job.paths.stdout)}")
             next_progress += POLL_S
         time.sleep(1.0)
     if not job.paths.result_pickle.exists():
@@ -147,7 +149,8 @@ def follow_trainer(plan: SlurmPlan, job: submitit.Job, trainer: JobRef, echo) ->
     try:
         job.result()
     except Exception as err:  # noqa: BLE001 - submitit re-raises the job's error with its traceback
-        raise LaunchError(f"{trainer} failed: {_last_line_of(str(err))}; see {trainer.log} and {plan.files.status}") from None
+        raise LaunchError(f"{trainer} failed: {_last_line_of(str(err))}; "
+                          f"see {trainer.log} and {plan.files.status}") from None
     echo(f"{trainer}: succeeded; model in {plan.files.run_dir}")
     return 0
 

@@ -86,7 +86,7 @@ class UpdateWeightFromDiskReqInput(_Strict):
     become `alpha * new + (1 - alpha) * old`, TRL's soft reference update.
     """
 
-    model_path: StrictStr
+    model_path: StrictStr = Field(min_length=1)
     load_format: Optional[StrictStr] = None
     weight_version: Optional[StrictStr] = None
     abort_all_requests: StrictBool = False

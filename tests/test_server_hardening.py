@@ -134,6 +134,15 @@ def test_values_that_would_overflow_in_a_batch_are_refused_and_valid_neighbours_
     assert r.status_code == 200 and len(r.json()["choices"]) == 3
 
 
+def test_a_top_p_that_underflows_float32_still_samples_the_most_likely_token(server):
+    """top_p 1e-300 passes validation (> 0) but is 0 in float32: every token was dropped and token 0 came out."""
+    greedy = post(server.url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0,
+                                                                                      "ignore_eos": True}}).json()
+    tiny_p = post(server.url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "top_p": 1e-300,
+                                                                                      "ignore_eos": True, "sampling_seed": 3}})
+    assert tiny_p.json()["output_ids"] == greedy["output_ids"]
+
+
 class _FakeEngine:
     """Generates one token (the seed) per task; a task with seed -1 raises, like a value overflowing in torch."""
 
@@ -340,6 +349,8 @@ BAD_RAW = [  # (route, body bytes, Content-Type, words)
     ("/update_weights_from_disk", b'{"path": "/x"}', "application/json", "model_path"),
     ("/update_weights_from_disk", b'{"model_path": "/nonexistent/x"}', "application/json", "--weight-dirs"),
     ("/update_weights_from_disk", b'{"model_path": 5}', "application/json", "model_path"),
+    ("/update_weights_from_disk", b'{"model_path": ""}', "application/json", "model_path"),
+    ("/update_weights_from_disk", b'{"model_path": "/tmp/a\\u0000b"}', "application/json", "NUL"),
     ("/update_weights_from_disk", b'{"model_path": "/x", "mixup_alpha": 2}', "application/json", "mixup_alpha"),
 ]
 
@@ -355,26 +366,33 @@ def _set(body, where, value):
 
 
 def _bad_requests(rng, count, allowed_dir):
-    """`count` bad requests: one bad value in an otherwise valid body, or a raw body, with the words expected."""
-    bad_dumps = [allowed_dir / "fuzz-missing", allowed_dir / "fuzz-manifest"]
-    out = []
-    for _ in range(count):
+    """`count` bad requests, each with the words its message must contain: every case of the catalogues once, then
+    random ones (one bad value in an otherwise valid body, a raw body, or a reload of a broken dump)."""
+    def generate(where, value, words):
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        _set(body, where, value)
+        return "/generate", json.dumps(body).encode(), "application/json", words
+
+    def completion(key, value, words):
+        body = {"prompt": [1, 2, 3], "max_tokens": 2, key: value}
+        return "/v1/completions", json.dumps(body).encode(), "application/json", words
+
+    def reload(dump):
+        return "/update_weights_from_disk", json.dumps({"model_path": str(dump)}).encode(), "application/json", dump.name
+
+    dumps = [allowed_dir / "fuzz-missing", allowed_dir / "fuzz-manifest"]
+    out = [generate(*case) for case in BAD_GENERATE_VALUES] + [completion(*case) for case in BAD_COMPLETION_VALUES]
+    out += BAD_RAW + [reload(dump) for dump in dumps]
+    while len(out) < count:
         kind = rng.random()
         if kind < 0.55:
-            where, value, words = rng.choice(BAD_GENERATE_VALUES)
-            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-            _set(body, where, value)
-            out.append(("/generate", json.dumps(body).encode(), "application/json", words))
+            out.append(generate(*rng.choice(BAD_GENERATE_VALUES)))
         elif kind < 0.75:
-            key, value, words = rng.choice(BAD_COMPLETION_VALUES)
-            body = {"prompt": [1, 2, 3], "max_tokens": 2, key: value}
-            out.append(("/v1/completions", json.dumps(body).encode(), "application/json", words))
+            out.append(completion(*rng.choice(BAD_COMPLETION_VALUES)))
         elif kind < 0.9:
             out.append(rng.choice(BAD_RAW))
         else:
-            dump = rng.choice(bad_dumps)
-            out.append(("/update_weights_from_disk", json.dumps({"model_path": str(dump)}).encode(), "application/json",
-                        dump.name))
+            out.append(reload(rng.choice(dumps)))
     return out
 
 

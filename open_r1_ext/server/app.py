@@ -375,6 +375,8 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 def _allowed(model_path: str, weight_dirs: Optional[list[str]]) -> str:
     """`model_path` if it lies below one of `weight_dirs` (after resolving links; None allows any), else
     `WeightFileError`: a client with the API key still cannot make the server read other paths."""
+    if "\0" in model_path:
+        raise WeightFileError(f"model_path: {model_path!r} contains a NUL character")
     if weight_dirs is not None:
         real = os.path.realpath(model_path)
         if not any(os.path.commonpath([real, d]) == d for d in weight_dirs):

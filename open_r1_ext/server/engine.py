@@ -208,5 +208,6 @@ def _top_k_top_p(logprobs: torch.Tensor, top_k: list[int], top_p: list[float]) -
     p = torch.tensor(top_p, device=logprobs.device)[:, None]
     probs = sorted_lp.softmax(-1)
     drop_sorted = (rank >= k) | (probs.cumsum(-1) - probs >= p)
+    drop_sorted[:, 0] = False  # the most likely token always stays (a top_p that underflows float32 would drop all)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logprobs.masked_fill(drop, float("-inf"))

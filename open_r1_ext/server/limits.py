@@ -21,10 +21,11 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """The server's `--max-*` flags."""
+    """The server's `--max-*` flags. The defaults stay above what the trainer's client sends with its own default
+    budget (`max_batch_tokens` 65536, each sequence its own item of at least one token, `n` 1)."""
 
     max_n: int = 256  # copies per prompt (`n`)
-    max_batch_items: int = 4096  # prompts per request
+    max_batch_items: int = 65536  # prompts per request
     max_request_tokens: int = 1 << 20  # sum over prompts of n x (prompt + max_new_tokens)
     max_body_bytes: int = 32 << 20
 

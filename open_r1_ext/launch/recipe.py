@@ -151,11 +151,16 @@ class Servers(Section):
 
     def describe(self) -> str:
         """`generation on a builtin server, reference in the generation server`: for humans."""
-        words = {"local": "on the trainer", "generation": "in the generation server", "none": "not used"}
-        places = {"generation": self.generation, "reference": self.reference}
-        return ", ".join(f"{role} " + (words[place] if isinstance(place, str) else f"on the {place.engine} server at "
-                                      f"{place.url}" if place.url else f"on a {place.engine} server of its own")
-                         for role, place in places.items())
+        parts = []
+        for role, place in (("generation", self.generation), ("reference", self.reference)):
+            if isinstance(place, str):
+                where = {"local": "on the trainer", "generation": "in the generation server", "none": "not used"}[place]
+            elif place.url:
+                where = f"on the {place.engine} server at {place.url}"
+            else:
+                where = f"on a {place.engine} server" + (" of its own" if role == "reference" else "")
+            parts.append(f"{role} {where}")
+        return ", ".join(parts)
 
 
 class SlurmSection(Section):

@@ -68,7 +68,8 @@ def cmd_new_recipe(args: argparse.Namespace) -> int:
     text = source.read_text().replace(old_model, args.model).replace(old_short, new_short)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print(f"wrote {out} (model {args.model}); check it with: open-r1-ext validate {out}")
+    print(f"wrote {out} (model {args.model}); adjust its GPUs (slurm.trainer, servers.<role>.resources) and batch "
+          f"sizes, then check it with: open-r1-ext validate {out}")
     return 0
 
 

@@ -178,7 +178,7 @@ class BodyLimit:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > self.max_bytes:
-                return await self._refuse(scope, receive, send, f"more than {size}")
+                return await self._refuse(scope, receive, send, f"at least {size}")
         await self.app(scope, _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive), send)
 
     async def _refuse(self, scope, receive, send, size) -> None:

@@ -136,9 +136,11 @@ class RemoteGeneration:
 
     def _sampling_params(self) -> dict:
         trainer = self.trainer
-        return sampling_params(trainer.max_completion_length, temperature=trainer.temperature, top_p=trainer.top_p,
-                               top_k=trainer.top_k, stop_token_ids=trainer.eos_token_ids, min_p=trainer.min_p,
-                               repetition_penalty=trainer.repetition_penalty, **(trainer.args.generation_kwargs or {}))
+        params = dict(temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k,
+                      stop_token_ids=trainer.eos_token_ids, min_p=trainer.min_p,
+                      repetition_penalty=trainer.repetition_penalty)
+        params.update(trainer.args.generation_kwargs or {})  # the user's generation_kwargs win, as before
+        return sampling_params(trainer.max_completion_length, **params)
 
     def _seeds(self, count: int, salt: int = 0) -> list[int]:
         trainer = self.trainer

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 GREEDY_TEMPERATURE = 1e-6
 # SGLang's `/get_model_info` reports this `weight_version` until an update sets one.
 DEFAULT_WEIGHT_VERSION = "default"
+# `--dtype` values both the built-in server and SGLang accept (the recipe's `dtype` field offers these).
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 Number = Union[StrictInt, StrictFloat]
 # Ranges checked at the edge, so that no value that passes validation overflows later inside a shared batch.

@@ -50,10 +50,10 @@ from bench_common import header, machine_facts, markdown_table, model_dir, verdi
 
 from open_r1_ext.sglang_client import SGLangClient  # noqa: E402
 from open_r1_ext.launch.local_server import BuiltinServer  # noqa: E402
+from open_r1_ext.server.batcher import DEFAULT_MAX_WAIT_MS  # noqa: E402
 
 REF_TARGET = 0.85
 GENERATE_TARGET = 4.0
-DEFAULT_BATCH_WAIT_MS = 5.0  # the default of `python -m open_r1_ext.server --max-batch-wait-ms`
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path, default=None, help="build the models here (and reuse them) instead of a temp dir")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="torch threads here and in the server (default: the server's, half the cores: %(default)s)")
-    parser.add_argument("--max-batch-wait-ms", type=float, default=DEFAULT_BATCH_WAIT_MS,
+    parser.add_argument("--max-batch-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
                         help="the server's batch window (default: its default, %(default)s)")
     return parser.parse_args(argv)
 

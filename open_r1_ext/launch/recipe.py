@@ -21,7 +21,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, create_model,
                       field_validator, model_validator)
 
-DType = Literal["auto", "float32", "bfloat16", "float16"]
+from open_r1_ext.protocol import DTYPE_NAMES
+
+DType = Literal[DTYPE_NAMES]
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 REFERENCE_PORT_OFFSET = 1  # a reference server listens on the generation server's port + this, unless its spec says
 

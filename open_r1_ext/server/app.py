@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 
 from open_r1_ext import __version__
-from open_r1_ext.server.batcher import Batcher
+from open_r1_ext.server.batcher import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, Batcher
 from open_r1_ext.server.engine import DTYPES, GenerationTask, ModelEngine
 from open_r1_ext.server.limits import COMPLETION_FIELDS, GENERATE_FIELDS, BadRequest, Limits, check_request
 from open_r1_ext.protocol import (
@@ -429,9 +429,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--random-seed", type=int, default=0, help="seeds the samples that carry no sampling_seed")
     parser.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
-    parser.add_argument("--max-batch-wait-ms", type=float, default=5.0,
+    parser.add_argument("--max-batch-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
                         help="how long a batch waits for requests already being received (a lone request does not wait)")
-    parser.add_argument("--max-batch-tokens", type=int, default=32768, help="padded tokens per scoring forward")
+    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, help="padded tokens per scoring forward")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch CPU threads (default on CPU: half the cores, leaving the rest to a trainer beside it)")
     parser.add_argument("--max-n", type=int, default=Limits.max_n, help="most copies (n) per prompt")

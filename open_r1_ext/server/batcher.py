@@ -50,10 +50,16 @@ class Arrival:
             self._batcher._arrived()
 
 
+# `python -m open_r1_ext.server --max-batch-wait-ms / --max-batch-tokens` default to these.
+DEFAULT_MAX_WAIT_MS = 5.0
+DEFAULT_MAX_BATCH_TOKENS = 32768
+
+
 class Batcher:
     """Runs an engine's work on one thread, batching concurrent score and generate requests."""
 
-    def __init__(self, engine: ModelEngine, max_wait_ms: float = 5.0, max_batch_tokens: int = 32768, max_batch_seqs: int = 256):
+    def __init__(self, engine: ModelEngine, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, max_batch_seqs: int = 256):
         self.engine = engine
         self.max_wait = max_wait_ms / 1000.0
         self.max_batch_tokens = max_batch_tokens

@@ -14,12 +14,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, SamplingParams
+from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, DTYPE_NAMES, SamplingParams
 from open_r1_ext.weight_files import WeightFileError, read_weight_dir
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: None if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass

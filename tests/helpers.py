@@ -13,10 +13,11 @@ from open_r1_ext import RemoteGRPOConfig
 from open_r1_ext.launch.local_server import BuiltinServer
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION
 from open_r1_ext.sglang_client import SGLangClient
+from tools.bench_common import arithmetic_prompts
 
 
 def tiny_dataset(n: int = 16) -> Dataset:
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(n)])
+    return arithmetic_prompts(n)
 
 
 def reward_len(completions, **kwargs):

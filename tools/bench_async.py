@@ -23,19 +23,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
+from bench_common import (arithmetic_prompts, header, machine_facts, markdown_table, model_dir, verdict,  # noqa: E402
+                          write_json)
 
 TARGET = 0.65
 
 
 def measure(model: Path, url: str, out: Path, async_generation: bool, steps: int, completion_length: int) -> dict:
     """Train `steps` steps; return the median wall seconds per step (after the first two) and the generation share."""
-    from datasets import Dataset
     from transformers import TrainerCallback
 
     from open_r1_ext import RemoteGRPOConfig, RemoteGRPOTrainer
 
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(64)])
+    dataset = arithmetic_prompts(64)
     args = RemoteGRPOConfig(
         output_dir=str(out), per_device_train_batch_size=16, num_generations=4, max_completion_length=completion_length,
         max_steps=steps, beta=0.0, learning_rate=1e-4, bf16=False, use_cpu=True, report_to=[], save_strategy="no",

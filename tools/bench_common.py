@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks in tools/: machine facts, the models they run on, the table and the JSON file.
+"""Helpers shared by the benchmarks in tools/ (and the tests): machine facts, the models and prompts they run on, the
+table and the JSON file.
 
 Each benchmark prints `header(facts)` above a `markdown_table(...)` and, with `--json FILE`, writes `write_json`.
 """
@@ -53,6 +54,13 @@ def model_dir(root: Path, size: str) -> Path:
     if not (info.exists() and json.loads(info.read_text()).get("size") == size):
         make_tiny_model(out, seed=0, size=size)
     return out
+
+
+def arithmetic_prompts(n: int):
+    """`n` chat prompts "What is i + i?": the training data of the benchmarks and tests."""
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(n)])
 
 
 def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

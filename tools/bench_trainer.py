@@ -40,7 +40,8 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import MIB, header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
+from bench_common import (MIB, arithmetic_prompts, header, machine_facts, markdown_table, model_dir,  # noqa: E402
+                          verdict, write_json)
 
 SAVING_TARGET = 0.8  # of the reference's parameter bytes
 STEP_TIME_TARGET = 1.1  # remote / stock
@@ -83,7 +84,6 @@ def length_reward(completions, **kwargs) -> list[float]:
 
 def child(kind: str, model: str, setup: Setup, threads: int, output_dir: Path, ref_url: Optional[str]) -> dict:
     """Train `setup.steps` steps; return peak RSS, RSS before training, per-step seconds, losses."""
-    from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -98,7 +98,7 @@ def child(kind: str, model: str, setup: Setup, threads: int, output_dir: Path, r
             self.marks.append(time.perf_counter())
 
     torch.set_num_threads(threads)
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(64)])
+    dataset = arithmetic_prompts(64)
     settings = train_settings(output_dir, setup)
     if kind == "stock":
         args = GRPOConfig(**settings)

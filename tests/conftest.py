@@ -27,9 +27,10 @@ def other_tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    """A built-in server on the tiny model, shared by a test module."""
+    """A built-in server on the tiny model, shared by a test module; seeded sampling is reproducible
+    (`--enable-deterministic-inference`)."""
     log = tmp_path_factory.mktemp("server-log") / "server.log"
-    with BuiltinServer(str(tiny_model), log_path=str(log)) as srv:
+    with BuiltinServer(str(tiny_model), log_path=str(log), deterministic=True) as srv:
         yield srv
 
 

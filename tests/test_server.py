@@ -97,6 +97,24 @@ def test_sampling_with_seed_is_reproducible_and_seeds_differ(client):
     assert all(lp <= 0 for p in a for c in p for lp in c.logprobs)
 
 
+def test_sampling_seed_counts_only_with_deterministic_inference(tiny_model, server):
+    """As SGLang: without --enable-deterministic-inference a sampling_seed is ignored; with it (the `server` fixture) a
+    request without one samples with seed 42. /server_info says which, and that the server can mix weights on load."""
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True,
+                                                        "sampling_seed": 5}}
+    with BuiltinServer(str(tiny_model), extra_args=("--no-ref-slot",)) as plain:
+        info = requests.get(f"{plain.url}/server_info", timeout=10).json()
+        assert info["enable_deterministic_inference"] is False and info["supports_weight_mixup"] is True
+        outputs = {tuple(requests.post(f"{plain.url}/generate", json=body, timeout=30).json()["output_ids"]) for _ in range(3)}
+        assert len(outputs) > 1
+    assert requests.get(f"{server.url}/server_info", timeout=10).json()["enable_deterministic_inference"] is True
+    seeded = {tuple(requests.post(f"{server.url}/generate", json=body, timeout=30).json()["output_ids"]) for _ in range(2)}
+    unseeded = {**body, "sampling_params": {**body["sampling_params"], "sampling_seed": None}}
+    as_42 = {**body, "sampling_params": {**body["sampling_params"], "sampling_seed": 42}}
+    default = {tuple(requests.post(f"{server.url}/generate", json=b, timeout=30).json()["output_ids"]) for b in (unseeded, as_42)}
+    assert len(seeded) == 1 and len(default) == 1
+
+
 def test_top_k_and_top_p_restrict_the_sampled_set(client):
     prompts = [[1, 2, 3], [9, 8, 7, 6]]
     greedy = client.generate(prompts, {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True})

@@ -34,12 +34,14 @@ class BuiltinServer:
         log_path: Optional[str] = None,
         extra_args: tuple[str, ...] = (),
         startup_timeout: float = 120.0,
+        deterministic: bool = False,
     ):
         self.model_path = str(model_path)
         self.host = host
         self.port = port or free_port(host)
         self.log_path = Path(log_path) if log_path else None
-        self.extra_args = tuple(extra_args)
+        # `--enable-deterministic-inference`: the server honours `sampling_seed` (seeded samples are reproducible)
+        self.extra_args = tuple(extra_args) + (("--enable-deterministic-inference",) if deterministic else ())
         self.startup_timeout = startup_timeout
         self.process: Optional[subprocess.Popen] = None
 

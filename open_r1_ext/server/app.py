@@ -46,6 +46,7 @@ from open_r1_ext.weight_files import WeightFileError
 logger = logging.getLogger("open_r1_ext.server.app")
 HEALTH_TIMEOUT_S = 20.0
 HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)  # /health_generate: one greedy token
+DETERMINISTIC_DEFAULT_SEED = 42  # SGLang's seed for a request without `sampling_seed` in deterministic mode
 LOAD_FORMATS = (None, "auto", "safetensors")
 
 
@@ -80,15 +81,17 @@ REF_PREFIX = "/ref"
 
 def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[str] = None, random_seed: int = 0,
                context_length: Optional[int] = None, limits: Optional[Limits] = None,
-               weight_dirs: Optional[list[str]] = None) -> FastAPI:
+               weight_dirs: Optional[list[str]] = None, deterministic: bool = False) -> FastAPI:
     """The FastAPI application serving each `(engine, batcher)` slot under its URL prefix ("" is the root).
     `limits`: what one request may ask for (default: `Limits()`); `weight_dirs`: the directories
-    `/update_weights_from_disk` may read below (None: any)."""
+    `/update_weights_from_disk` may read below (None: any); `deterministic` (`--enable-deterministic-inference`):
+    `sampling_seed` is honoured (else ignored, as SGLang does)."""
     app = FastAPI(title="open_r1_ext built-in server", version=__version__)
     limits = limits or Limits()
     allowed = None if weight_dirs is None else [os.path.realpath(d) for d in weight_dirs]
     for prefix, (engine, batcher) in slots.items():
-        app.include_router(slot_router(engine, batcher, random_seed, context_length, limits, allowed), prefix=prefix)
+        app.include_router(slot_router(engine, batcher, random_seed, context_length, limits, allowed, deterministic),
+                           prefix=prefix)
 
     if api_key:  # only then: the middleware costs every request a little
         expected = f"Bearer {api_key}".encode()
@@ -227,11 +230,18 @@ def _handed_in(request: Request) -> None:
 
 
 def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context_length: Optional[int], limits: Limits,
-                weight_dirs: Optional[list[str]]) -> APIRouter:
+                weight_dirs: Optional[list[str]], deterministic: bool = False) -> APIRouter:
     """The routes of one model slot."""
     app = APIRouter(route_class=OrjsonRoute)
     seeds = random.Random(random_seed)
     max_len = context_length or engine.context_length
+
+    def seed_of(sampling_seed: Optional[int]) -> int:
+        """As SGLang: `sampling_seed` counts only with `--enable-deterministic-inference` (then a request without one
+        samples with seed 42); otherwise every sample draws its own seed from the server's generator."""
+        if deterministic:
+            return DETERMINISTIC_DEFAULT_SEED if sampling_seed is None else sampling_seed
+        return seeds.getrandbits(63)
 
     def check(prompts, sampling, starts, fields) -> None:
         check_request(prompts, sampling, starts, fields, limits, engine.vocab_size, max_len)
@@ -280,6 +290,8 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             "sequences_generated": batcher.sequences_generated,
             "sequences_scored": batcher.sequences_scored,
             "weight_version": engine.weight_version,
+            "enable_deterministic_inference": deterministic,
+            "supports_weight_mixup": True,  # `mixup_alpha` on /update_weights_from_disk (SGLang has none)
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -317,8 +329,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         for prompt, params in zip(prompts, sampling):
             copies = []
             for _ in range(params.n):
-                seed = params.sampling_seed if params.sampling_seed is not None else seeds.getrandbits(63)
-                copies.append(GenerationTask(prompt=list(prompt), params=params, seed=seed))
+                copies.append(GenerationTask(prompt=list(prompt), params=params, seed=seed_of(params.sampling_seed)))
             tasks.append(copies)
         flat = [t for copies in tasks for t in copies]
         to_score = [p for p, want, start in zip(prompts, want_logprob, starts) if want and start >= 0]
@@ -347,11 +358,9 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         prompts = obj.prompts()
         params = obj.sampling()
         check(prompts, [params] * len(prompts), [-1] * len(prompts), COMPLETION_FIELDS)
-        tasks = [  # copy i samples with seed + i (at most 2**63 - 1 + --max-request-tokens: within a torch seed)
-            GenerationTask(prompt=list(prompts[i // obj.n]), params=params,
-                           seed=obj.seed + i if obj.seed is not None else seeds.getrandbits(63))
-            for i in range(len(prompts) * obj.n)
-        ]
+        # as SGLang: `seed` is every copy's `sampling_seed` (identical copies in deterministic mode)
+        tasks = [GenerationTask(prompt=list(prompts[i // obj.n]), params=params, seed=seed_of(obj.seed))
+                 for i in range(len(prompts) * obj.n)]
         future = asyncio.wrap_future(batcher.generate(tasks))
         _handed_in(request)
         await future
@@ -427,7 +436,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health*")
     parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--random-seed", type=int, default=0, help="seeds the samples that carry no sampling_seed")
+    parser.add_argument("--random-seed", type=int, default=0, help="seeds the server's sampling (without --enable-deterministic-inference)")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="honour each request's sampling_seed (as SGLang: without this flag it is ignored; with it, a "
+                             "request without one samples with seed 42)")
     parser.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     parser.add_argument("--max-batch-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
                         help="how long a batch waits for requests already being received (a lone request does not wait)")
@@ -466,7 +478,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     limits = Limits(max_n=args.max_n, max_batch_items=args.max_batch_items, max_request_tokens=args.max_request_tokens,
                     max_body_bytes=args.max_body_bytes)
     app = create_app(slots, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length,
-                     limits=limits, weight_dirs=args.weight_dirs)
+                     limits=limits, weight_dirs=args.weight_dirs, deterministic=args.enable_deterministic_inference)
     # The hundreds of thousands of objects torch, transformers and FastAPI leave on the heap are permanent: keep the
     # garbage collector from re-scanning them after every response (measured: ~90 ms of CPU per 32x256 request).
     gc.collect()

@@ -34,14 +34,26 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Each recipe as the launchers would take it (schema, values, then the job plan); a problem is a `FILE: key:
+    message` line, never a traceback."""
     from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
 
     failed = 0
     for path in args.recipes:
         try:
             recipe = load_recipe(path, args.set)
+            SlurmPlan(recipe, args.set)
         except RecipeError as err:
             print(err, file=sys.stderr)
+            failed += 1
+            continue
+        except PlanError as err:
+            print(f"{path}: {err}", file=sys.stderr)
+            failed += 1
+            continue
+        except Exception as err:  # noqa: BLE001 - validate answers with a line, whatever went wrong
+            print(f"{path}: (recipe): could not be checked: {type(err).__name__}: {err}", file=sys.stderr)
             failed += 1
             continue
         print(f"{path}: ok ({recipe.servers.describe()}; {recipe.slurm.trainer.num_processes} trainer process(es))")

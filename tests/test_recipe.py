@@ -89,6 +89,29 @@ BAD = [
     (lambda r: r["sync"].update(weight_sync_stepz=2), "sync.weight_sync_stepz", "did you mean 'weight_sync_steps'"),
     (lambda r: r["trainer"].update(weight_sync_steps=2), "trainer.weight_sync_steps", "belongs in the sync: section"),
     (lambda r: r.pop("data"), "data", "missing section"),
+    # values TRL would take and fail on (or silently ignore) later
+    (lambda r: r["trainer"].update(learning_rate=0.0), "trainer.learning_rate", "must be > 0, got 0.0"),
+    (lambda r: r["trainer"].update(learning_rate=-1e-3), "trainer.learning_rate", "must be > 0"),
+    (lambda r: r["trainer"].update(per_device_train_batch_size=0), "trainer.per_device_train_batch_size", "must be > 0"),
+    (lambda r: r["trainer"].update(gradient_accumulation_steps=-1), "trainer.gradient_accumulation_steps", "must be > 0"),
+    (lambda r: r["trainer"].update(max_steps=0), "trainer.max_steps", "or -1 to train num_train_epochs"),
+    (lambda r: r["trainer"].update(max_completion_length=0), "trainer.max_completion_length", "must be > 0"),
+    (lambda r: r["trainer"].update(save_steps=0), "trainer.save_steps", "remove it for the default (500)"),
+    (lambda r: r["trainer"].update(temperature=0.0), "trainer.temperature", "must be > 0"),
+    (lambda r: r["trainer"].update(top_p=1.5), "trainer.top_p", "in (0, 1]"),
+    (lambda r: r["trainer"].update(max_completion_length=4096), "trainer.max_completion_length",
+     "leaves no room for a prompt in the context of"),  # the tiny model's max_position_embeddings: 2048
+    (lambda r: r["servers"]["generation"].update(port=0), "servers.generation.port", "must be >= 1"),
+    (lambda r: r["servers"]["generation"].update(port=70000), "servers.generation.port", "must be <= 65535"),
+    (lambda r: r["servers"].update(generation={"port": 65535}, reference={}), "servers.reference.port", "outside 1-65535"),
+    (lambda r: r["servers"]["generation"].update(dp_size=0), "servers.generation.dp_size", "must be >= 1"),
+    (lambda r: r["servers"].update(generation={"engine": "sglang", "resources": {"gpus_per_node": 0}}, reference="local"),
+     "servers.generation.resources.gpus_per_node", "SGLang runs on GPUs"),
+    (lambda r: r["data"].update(dataset=str(REPO / "README.md")), "data.dataset", "unsupported file type"),
+    (lambda r: r["data"].update(prompt_column="question"), "data.prompt_column",
+     "'question' is not a column of"),
+    (lambda r: r["rewards"].append("a:b:c"), "rewards[2].name", "is not a reference package.module:function"),
+    (lambda r: r["rewards"].append("no_such_module_h14:f"), "rewards[2].name", "cannot be imported"),
 ]
 
 
@@ -220,3 +243,44 @@ def test_a_reference_server_listens_next_to_the_generation_server(tmp_path, tiny
     assert plan.port("ref-server") == 32000
     shared = SlurmPlan(load_recipe(write(tmp_path, dict(tiny_recipe, servers={"generation": {}}))))
     assert "--no-ref-slot" not in shared.server_command("server", node, head)  # reference: generation by default
+
+
+def _broken_recipes(folder: Path, good: str) -> dict[str, str]:
+    """Recipe files that each break one rule no type check sees, by name, with the key each must be refused under."""
+    good_raw = yaml.safe_load(good)
+    cases = {
+        "duplicate-key": (good + "\ntrainer:\n  output_dir: elsewhere\n", "trainer"),
+        "latin-1": (good.replace("Think step", "Th\xe9nk step"), "(file)"),
+        "import-fails": (None, "rewards[0].name"),
+        "list-top-level": ("- model\n- data\n", "(top level)"),
+        "bad-yaml": ("model: {name_or_path: [\n", "(yaml)"),
+        "slurm-time": (None, "slurm.time"),
+    }
+    import_fails = dict(good_raw, rewards=["boom_on_import_h14:reward"])
+    slurm_time = dict(good_raw, slurm=dict(good_raw["slurm"], time="soon"))
+    expected = {}
+    for name, (text, key) in cases.items():
+        path = folder / f"{name}.yaml"
+        raw = {"import-fails": import_fails, "slurm-time": slurm_time}.get(name)
+        data = (text if raw is None else yaml.safe_dump(raw)).encode("latin-1" if name == "latin-1" else "utf-8")
+        path.write_bytes(data)
+        expected[str(path)] = key
+    return expected
+
+
+def test_validate_answers_each_broken_recipe_with_one_line(tmp_path, tiny_recipe):
+    """A directory of broken recipes: each gets exactly one `FILE: key:` line, the exit status is 1, no traceback."""
+    (tmp_path / "boom_on_import_h14.py").write_text("raise RuntimeError('the module is broken')\n")
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    expected = _broken_recipes(folder, yaml.safe_dump(tiny_recipe, sort_keys=False))
+    result = cli("validate", *sorted(expected), cwd=tmp_path)  # cwd: where the user's reward module lives
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.startswith(str(folder))]
+    for path, key in expected.items():
+        mine = [line for line in lines if line.startswith(f"{path}: ")]
+        assert len(mine) == 1 and mine[0].startswith(f"{path}: {key}: "), (path, result.stderr)
+    assert "RuntimeError: the module is broken" in result.stderr
+    assert "not UTF-8 text (byte 0xe9 on line" in result.stderr
+    assert "given twice (lines" in result.stderr

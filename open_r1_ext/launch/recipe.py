@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import re
 import typing
 from pathlib import Path
@@ -100,7 +101,7 @@ class ServerSpec(Section):
     engine: Literal["builtin", "sglang", "openai"] = "builtin"
     url: Optional[str] = None
     model_path: Optional[str] = None
-    port: int = 30000
+    port: int = Field(30000, ge=1, le=65535)
     tp_size: int = Field(1, ge=1)
     dp_size: int = Field(1, ge=1)
     mem_fraction_static: Optional[float] = Field(None, gt=0, le=1)
@@ -275,13 +276,14 @@ def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None, c
     path = Path(path)
     if not path.is_file():
         raise RecipeError(path, [("(file)", "no such file")])
+    text = _read_text(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(text) or {}
+        problems: list[tuple[str, str]] = _duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as err:
         raise RecipeError(path, [("(yaml)", f"not valid YAML: {err}")]) from None
     if not isinstance(raw, dict):
         raise RecipeError(path, [("(top level)", "a recipe is a mapping of sections (model:, data:, ...)")])
-    problems: list[tuple[str, str]] = []
     for item in overrides or []:
         _apply_override(raw, item, problems)
     _replaced_keys(raw, problems)
@@ -292,6 +294,38 @@ def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None, c
     if problems:
         raise RecipeError(path, problems)
     return recipe  # type: ignore[return-value]
+
+
+def _read_text(path: Path) -> str:
+    """The recipe's text; a file that is not UTF-8 (or cannot be read) is one problem naming the line."""
+    try:
+        data = path.read_bytes()
+        return data.decode("utf-8")
+    except OSError as err:
+        raise RecipeError(path, [("(file)", f"cannot be read: {err.strerror}")]) from None
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise RecipeError(path, [("(file)", f"not UTF-8 text (byte 0x{data[err.start]:02x} on line {line}); save the "
+                                            "file as UTF-8")]) from None
+
+
+def _duplicate_keys(node: Optional[yaml.Node], key: str = "") -> list[tuple[str, str]]:
+    """Keys given twice in one mapping, which YAML would resolve silently by keeping the last."""
+    found: list[tuple[str, str]] = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            name, line = str(key_node.value), key_node.start_mark.line + 1
+            where = f"{key}.{name}" if key else name
+            if name in lines:
+                found.append((where, f"given twice (lines {lines[name]} and {line}); YAML would keep only the last: "
+                                     "remove one"))
+            lines.setdefault(name, line)
+            found += _duplicate_keys(value_node, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, f"{key}[{i}]")
+    return found
 
 
 def _apply_override(raw: dict, item: str, problems: list) -> None:
@@ -307,7 +341,10 @@ def _apply_override(raw: dict, item: str, problems: list) -> None:
         if not isinstance(node, dict):
             problems.append((key, f"{part} is not a section"))
             return
-    node[parts[-1]] = yaml.safe_load(value)
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        problems.append((key, f"the value {value!r} is not valid YAML: {err}"))
 
 
 def _replaced_keys(raw: dict, problems: list) -> None:
@@ -449,20 +486,106 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
         for key, value in paths:
             if value and is_local_path(value) and not Path(value).expanduser().exists():
                 problems.append((key, f"local path {value} does not exist (hub ids look like org/name)"))
-    for i, reward in enumerate(recipe.rewards):
-        try:
-            from open_r1_ext.trainer.rewards import resolve_reward
-
-            resolve_reward(reward.name)
-        except ValueError as err:
-            problems.append((f"rewards[{i}].name", str(err)))
+        _check_data(recipe.data, problems)
+        _check_context(recipe, problems)
+    _check_rewards(recipe, problems)
+    _check_values(recipe, problems)
     _check_servers(recipe, problems)
     _check_batch(recipe, problems)
     if not problems:
         try:
             recipe.trainer_config(generation_url="http://validate:0", ref_model_url="http://validate:0", on_this_machine=False)
-        except (ValueError, TypeError) as err:
+        except Exception as err:  # noqa: BLE001 - TRL's and transformers' own checks: any of them is the recipe's problem
             problems.append(("trainer", f"{err}"))
+
+
+REWARD_REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  # package.module:function
+
+
+def _check_rewards(recipe: Recipe, problems: list) -> None:
+    """Each reward is a built-in or a `package.module:function` that imports (whatever the module raises)."""
+    from open_r1_ext.trainer.rewards import BUILTIN, resolve_reward
+
+    for i, reward in enumerate(recipe.rewards):
+        key = f"rewards[{i}].name"
+        if ":" in reward.name and not REWARD_REFERENCE.match(reward.name):
+            problems.append((key, f"{reward.name!r} is not a reference package.module:function (e.g. "
+                                  f"my_rewards.math:exact_match) nor a built-in ({', '.join(BUILTIN)})"))
+            continue
+        try:
+            resolve_reward(reward.name)
+        except ValueError as err:
+            problems.append((key, str(err)))
+        except Exception as err:  # noqa: BLE001 - the user's module failed while importing
+            problems.append((key, f"importing {reward.name.partition(':')[0]} failed: {type(err).__name__}: {err}; "
+                                  "fix the module (run: python -c 'import MODULE')"))
+
+
+# Settings TRL and transformers accept at start-up that fail or do nothing later: (test, what the value must be)
+VALUE_RULES: dict[str, tuple[Any, str]] = {
+    **dict.fromkeys(("learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size",
+                     "gradient_accumulation_steps", "max_completion_length", "num_iterations", "steps_per_generation",
+                     "generation_batch_size", "num_train_epochs", "save_steps", "logging_steps", "eval_steps",
+                     "temperature", "repetition_penalty", "max_batch_tokens"), (lambda v: v > 0, "> 0")),
+    "max_steps": (lambda v: v > 0 or v == -1, "> 0, or -1 to train num_train_epochs"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "top_k": (lambda v: v >= -1, ">= -1 (0 and -1 disable it)"),
+    "warmup_steps": (lambda v: v >= 0, ">= 0"),
+}
+
+
+def _check_values(recipe: Recipe, problems: list) -> None:
+    """The numeric ranges of `VALUE_RULES`, for the values the recipe sets (TRL's defaults are fine)."""
+    for section in ("trainer", "sync"):
+        for name, value in getattr(recipe, section).items():
+            if name in VALUE_RULES and isinstance(value, (int, float)) and not isinstance(value, bool):
+                test, must = VALUE_RULES[name]
+                if not test(value):
+                    default = _config_defaults()[name]
+                    fix = f"remove it for the default ({default})" if default is not None else "remove it"
+                    problems.append((f"{section}.{name}", f"must be {must}, got {value!r}: set such a value, or {fix}"))
+
+
+def _check_data(data: DataSection, problems: list) -> None:
+    """A local data file: a type the loader reads, holding `prompt_column` (hub datasets are checked when loaded)."""
+    from open_r1_ext.trainer.data import LOCAL_FORMATS, local_columns
+
+    path = Path(data.dataset).expanduser()
+    if not is_local_path(data.dataset) or not path.exists():
+        return
+    if not path.is_file() or path.suffix not in LOCAL_FORMATS:
+        problems.append(("data.dataset", f"{data.dataset}: unsupported {'directory' if path.is_dir() else 'file type'}; "
+                                         f"give a {'/'.join(LOCAL_FORMATS)} file or a hub dataset id"))
+        return
+    try:
+        columns = local_columns(path)
+    except Exception as err:  # noqa: BLE001 - whatever the parser says about the file is the message
+        problems.append(("data.dataset", f"{data.dataset} cannot be read as {path.suffix}: {err}"))
+        return
+    if data.prompt_column not in columns:
+        problems.append(("data.prompt_column", f"{data.prompt_column!r} is not a column of {data.dataset} (its columns: "
+                                               f"{', '.join(columns) or 'none'}); set data.prompt_column to one of them"))
+
+
+def _check_context(recipe: Recipe, problems: list) -> None:
+    """The completion must fit the context (`max_position_embeddings`) of every local model the run loads."""
+    completion = recipe.setting("max_completion_length")
+    if not isinstance(completion, int):
+        return
+    models = {recipe.model.name_or_path, *(recipe.model_path(spec) for spec in recipe.servers.specs().values())}
+    for model in sorted(models):
+        config = Path(model).expanduser() / "config.json"
+        if not is_local_path(model) or not config.is_file():
+            continue
+        try:
+            context = json.loads(config.read_text()).get("max_position_embeddings")
+        except (OSError, ValueError):
+            continue  # the model's own loader reports a broken config
+        if isinstance(context, int) and completion >= context:
+            problems.append(("trainer.max_completion_length",
+                             f"{completion} leaves no room for a prompt in the context of {model} ({context} tokens, "
+                             f"max_position_embeddings in its config.json); set it below {context}"))
 
 
 def _check_servers(recipe: Recipe, problems: list) -> None:
@@ -473,7 +596,12 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
         key, gpus = f"servers.{role}", spec.resources.nodes * spec.resources.gpus_per_node
         if spec.url is not None and not spec.url.startswith(("http://", "https://")):
             problems.append((f"{key}.url", f"{spec.url!r}: give a base URL such as http://node-3:30000"))
-        if spec.engine == "sglang" and spec.tp_size * spec.dp_size > max(gpus, 1):
+        if not 1 <= spec.port <= 65535:  # a reference server's default port: the generation server's + 1
+            problems.append((f"{key}.port", f"{spec.port} is outside 1-65535; set servers.{role}.port"))
+        if spec.engine == "sglang" and spec.started and spec.resources.gpus_per_node == 0:
+            problems.append((f"{key}.resources.gpus_per_node", "0: SGLang runs on GPUs; give the server job GPUs "
+                                                               "(gpus_per_node >= 1) or use engine: builtin"))
+        elif spec.engine == "sglang" and spec.tp_size * spec.dp_size > max(gpus, 1):
             problems.append((f"{key}.tp_size", f"tp_size x dp_size = {spec.tp_size * spec.dp_size} needs more GPUs than "
                                                f"{key}.resources gives ({spec.resources.nodes} node(s) x "
                                                f"{spec.resources.gpus_per_node})"))

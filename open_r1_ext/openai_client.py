@@ -1,36 +1,98 @@
-"""Generation through any OpenAI-compatible `/v1/completions` server (SGLang, vLLM, others).
+"""Generation through any OpenAI-compatible `/v1/completions` server (SGLang, vLLM, llama.cpp and others).
 
-Prompts go out as token ids. Completions come back as token ids where the server can say them (vLLM's
-`return_tokens_as_token_ids`, which gives tokens as `"token_id:N"`); a server that returns only text is
-re-tokenized with the trainer's tokenizer, with a one-time warning that this is lossy and that no sampling
-log-probs can be used. Same `generate(...)` signature as `SGLangClient.generate`.
+Once, at start-up, a one-token probe finds out what the server can do (`ServerAbilities`) and the client adapts:
+prompts go out as token ids, else as text (decoded once, with a one-time warning that this is lossy); `n` copies in
+one request, else one request per copy; completions come back as token ids where the server says them (SGLang's
+`return_token_ids` -> `choices[i].token_ids`, vLLM's `return_tokens_as_token_ids` -> `"token_id:N"` tokens), else
+the text is re-tokenized with the trainer's tokenizer (lossy, warned once); sampling log-probs are used where given.
+With `seeds`, each copy is a request of its own with its own `seed` (an OpenAI `seed` is per request, and SGLang gives
+it to every copy, so `n` copies in one seeded request would all be the same sample). A server error (5xx) is retried a
+few times only: the same validation error each time should not stall training for minutes. Same `generate(...)`
+signature as `SGLangClient.generate`.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
 from open_r1_ext.protocol import Completion, completion_from_choice, completions_request, finish_reason_of_choice
-from open_r1_ext.sglang_client import DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, SGLangClient
+from open_r1_ext.sglang_client import (
+    DEFAULT_BACKOFF_FACTOR,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_REQUEST_TIMEOUT,
+    SGLangClient,
+    ServerError,
+    ServerRequestError,
+)
 
 logger = logging.getLogger(__name__)
 
+# Retries of a call the server answered with 5xx (connection errors keep `max_retries`).
+DEFAULT_SERVER_ERROR_RETRIES = 2
+PROBE_TEXT = "Hello"
+
+
+@dataclass(frozen=True)
+class ServerAbilities:
+    """What an OpenAI-compatible server did with the start-up probe."""
+
+    token_id_prompts: bool  # takes prompts as lists of token ids
+    n_in_one_request: bool  # answers `n` choices per prompt
+    token_ids: bool  # says the completions' token ids
+    logprobs: bool  # gives each sampled token's log-prob
+    extensions: bool  # accepts SGLang's and vLLM's extra fields (a strict server refuses unknown fields)
+
 
 class OpenAICompletionsClient:
-    """`/v1/completions` client with SGLangClient's retry and timeout policy (it reuses its HTTP session)."""
+    """`/v1/completions` client with SGLangClient's timeouts and connection retries (it reuses its HTTP session).
+
+    Args:
+        base_url (`str`): the server, e.g. `"http://node-3:8000"`.
+        tokenizer: the trainer's tokenizer (text prompts and completions of servers that do not take or say ids).
+        model (`str` or `None`, *optional*): `model` of every request (default: the first of `/v1/models`).
+        api_key (`str` or `None`, *optional*): sent as `Authorization: Bearer KEY`.
+        request_timeout (`float`, *optional*, defaults to `600.0`): seconds for one HTTP call.
+        max_retries (`int`, *optional*, defaults to `8`): retries on connection errors.
+        server_error_retries (`int`, *optional*, defaults to `2`): retries of a call answered with HTTP 5xx.
+
+    Examples:
+        ```python
+        >>> client = OpenAICompletionsClient("http://localhost:8000", tokenizer)
+        >>> client.wait_until_healthy()  # then probes the server once
+        >>> client.abilities
+        ServerAbilities(token_id_prompts=True, n_in_one_request=True, token_ids=True, logprobs=True, extensions=True)
+        >>> client.generate([[1, 2, 3]], {"max_new_tokens": 4, "temperature": 1.0}, n=2, seeds=[0, 1])
+        [[Completion(token_ids=[17, 3, ...], logprobs=[...], finish_reason='length', weight_version=None), ...]]
+        ```
+    """
 
     def __init__(self, base_url: str, tokenizer, model: Optional[str] = None, api_key: Optional[str] = None,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES):
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES,
+                 server_error_retries: int = DEFAULT_SERVER_ERROR_RETRIES, backoff_factor: float = DEFAULT_BACKOFF_FACTOR):
         self.http = SGLangClient(base_url, api_key=api_key, request_timeout=request_timeout, max_retries=max_retries)
+        retry = Retry(total=max_retries + server_error_retries, connect=max_retries, read=max_retries,
+                      status=server_error_retries, other=0, status_forcelist=(500, 502, 503, 504), allowed_methods=None,
+                      backoff_factor=backoff_factor, backoff_max=30.0, raise_on_status=False)
+        adapter = HTTPAdapter(max_retries=retry, pool_connections=self.http.max_concurrency,
+                              pool_maxsize=self.http.max_concurrency)
+        self.http.session.mount("http://", adapter)
+        self.http.session.mount("https://", adapter)
         self.base_url = self.http.base_url
         self.tokenizer = tokenizer
         self._model = model
-        self._warned_lossy = False
+        self._abilities: Optional[ServerAbilities] = None
+        self._warned: set[str] = set()
 
     # The trainer waits for and checks every server through these two calls.
     def wait_until_healthy(self, timeout: float = 600.0, progress: bool = True) -> None:
         self.http.wait_until_healthy(timeout=timeout, progress=progress, route="/v1/models")
+        self.abilities  # noqa: B018 - probe once, at start-up
 
     def model_info(self) -> dict:
         return {}  # an OpenAI server does not describe its vocabulary
@@ -41,26 +103,99 @@ class OpenAICompletionsClient:
             self._model = self.http.get_json("/v1/models")["data"][0]["id"]
         return self._model
 
+    # ------------------------------------------------------------------ probe
+    @property
+    def abilities(self) -> ServerAbilities:
+        if self._abilities is None:
+            self._abilities = self._probe()
+            logger.info("%s/v1/completions: %s", self.base_url, self._abilities)
+        return self._abilities
+
+    def _probe(self) -> ServerAbilities:
+        """Ask for one token, two copies, with token ids and log-probs, as ids then as text, with the extensions and
+        without; what the first accepted form gives back says what the server can do."""
+        ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"][:1] or [0]
+        sampling = {"max_new_tokens": 1, "temperature": 1.0}
+        refusals = []
+        for token_id_prompts, extensions in ((True, True), (False, True), (False, False)):
+            body = completions_request(self.model, [ids], sampling, n=2, seed=None, extensions=extensions)
+            if not token_id_prompts:
+                body["prompt"] = [PROBE_TEXT]
+            try:
+                answer = self.http.post_json("/v1/completions", body)
+            except ServerRequestError as err:
+                refusals.append(err.detail)
+                continue
+            choices = answer.get("choices") or []
+            first = choices[0] if choices else {}
+            completion = completion_from_choice(first)
+            return ServerAbilities(
+                token_id_prompts=token_id_prompts,
+                n_in_one_request=len(choices) == 2,
+                token_ids=completion is not None,
+                logprobs=bool(((first.get("logprobs") or {}).get("token_logprobs"))),
+                extensions=extensions,
+            )
+        raise ServerError(f"{self.base_url}/v1/completions refused every form of a one-token request: "
+                          + " | ".join(refusals))
+
+    # --------------------------------------------------------------- generate
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict, n: int = 1,
                  seeds: Optional[Sequence[int]] = None) -> list[list[Completion]]:
-        body = completions_request(self.model, prompts, sampling, n, seed=None if seeds is None else seeds[0])
+        """`n` completions of each prompt (prompt-major); with `seeds` (`len(prompts) * n`), copy `i` samples with
+        `seeds[i]`."""
+        abilities = self.abilities
+        texts = None if abilities.token_id_prompts else self._as_text(prompts)
+        if seeds is not None:  # one request per copy, each with its own seed
+            calls = [([i // n], 1, seeds[i]) for i in range(len(prompts) * n)]
+        elif abilities.n_in_one_request:
+            calls = [(list(range(len(prompts))), n, None)]
+        else:  # the server answers one choice per prompt: one request per copy
+            calls = [(list(range(len(prompts))), 1, None)] * n
+        with ThreadPoolExecutor(max_workers=min(len(calls), self.http.max_concurrency)) as pool:
+            answers = list(pool.map(lambda call: self._call(prompts, texts, sampling, *call), calls))
+        groups: list[list[Completion]] = [[] for _ in prompts]
+        if seeds is not None or abilities.n_in_one_request:
+            for (indices, copies, _), answer in zip(calls, answers):
+                for k, completion in enumerate(answer):
+                    groups[indices[k // copies]].append(completion)
+        else:
+            for answer in answers:
+                for index, completion in enumerate(answer):
+                    groups[index].append(completion)
+        return groups
+
+    def _call(self, prompts, texts, sampling: dict, indices: list[int], n: int, seed: Optional[int]) -> list[Completion]:
+        body = completions_request(self.model, [prompts[i] for i in indices], sampling, n, seed,
+                                   extensions=self.abilities.extensions)
+        if texts is not None:
+            body["prompt"] = [texts[i] for i in indices]
         answer = self.http.post_json("/v1/completions", body)
         choices = sorted(answer["choices"], key=lambda c: c["index"])
-        if len(choices) != len(prompts) * n:
-            raise ValueError(f"{self.base_url}/v1/completions returned {len(choices)} choices for {len(prompts)} prompts x n={n}")
-        flat = [self._completion(c) for c in choices]
-        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+        if len(choices) != len(indices) * n:
+            raise ServerError(f"{self.base_url}/v1/completions returned {len(choices)} choices for {len(indices)} "
+                              f"prompts x n={n}")
+        return [self._completion(c) for c in choices]
+
+    def _as_text(self, prompts: Sequence[Sequence[int]]) -> list[str]:
+        self._warn_once("prompts", "%s takes text prompts only: the prompts are decoded to text and the server "
+                        "re-tokenizes them, which may not give the same ids.", self.base_url)
+        return [self.tokenizer.decode(list(p)) for p in prompts]
+
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
 
     def _completion(self, choice: dict) -> Completion:
         completion = completion_from_choice(choice)
         if completion is not None:
             return completion
-        if not self._warned_lossy:
-            logger.warning(
-                "%s returns completions as text only: re-tokenizing them with the trainer's tokenizer is lossy (the ids "
-                "may differ from those sampled), and no sampling log-probs are used. Prefer a server that returns token "
-                "ids (SGLang's native /generate, or vLLM's return_tokens_as_token_ids).", self.base_url)
-            self._warned_lossy = True
+        self._warn_once(
+            "completions",
+            "%s returns completions as text only: re-tokenizing them with the trainer's tokenizer is lossy (the ids "
+            "may differ from those sampled), and no sampling log-probs are used. Prefer a server that returns token "
+            "ids (SGLang's native /generate or return_token_ids, or vLLM's return_tokens_as_token_ids).", self.base_url)
         ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
         reason = finish_reason_of_choice(choice)
         if reason == "stop" and self.tokenizer.eos_token_id is not None:

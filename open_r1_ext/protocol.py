@@ -8,11 +8,13 @@ functions at the end (`generate_request`, `completion_from_generate`, ...).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, ClassVar, Iterable, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
 
 # SGLang's `temperature` below this means greedy decoding.
 GREEDY_TEMPERATURE = 1e-6
@@ -27,20 +29,96 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # SGLang's `sampling_seed` is an i64
 TOP_K_MAX = 1 << 30  # SGLang's TOP_K_ALL; -1 (or 0) disables top-k
 
 
+# What SGLang 0.5.23 knows and the built-in server does not do, with SGLang's default: a request may send the default
+# (or null), anything else is refused with 400 naming the field as unsupported (never silently ignored). Read from
+# `managers/io_struct.py` (`GenerateReqInput`), `sampling/sampling_params.py`, `entrypoints/openai/protocol.py`.
+UNSUPPORTED_GENERATE_FIELDS: dict[str, Any] = {
+    "session_id": None, "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
+    "mm_hashes": None, "mm_content_hashes": None, "use_audio_in_video": False, "video_config": None, "watermark": None,
+    "return_sampling_mask": None, "sampling_logprobs_mode": None, "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False, "log_metrics": True,
+    "return_hidden_states": False, "return_routed_experts": False, "routed_experts_start_len": 0,
+    "return_indexer_topk": False, "modalities": None, "session_params": None, "lora_path": None, "lora_id": None,
+    "custom_logit_processor": None, "positional_embed_overrides": None, "bootstrap_host": None, "bootstrap_port": None,
+    "bootstrap_room": None, "bootstrap_pair_key": None, "decode_tp_size": None, "routed_dp_rank": None,
+    "data_parallel_rank": None, "disagg_prefill_dp_rank": None, "routing_key": None, "conversation_id": None,
+    "http_worker_ipc": None, "background": False, "require_reasoning": False, "max_thinking_tokens": None,
+    "priority": None, "extra_key": None, "no_logs": False, "custom_labels": None, "return_bytes": False,
+    "return_entropy": False, "return_prompt_token_ids": False, "external_trace_header": None, "received_time": None,
+    "need_wait_for_mm_inputs": None, "num_items_assigned": None, "encoder_urls": None, "max_dynamic_patch": None,
+    "min_dynamic_patch": None, "image_max_dynamic_patch": None, "video_max_dynamic_patch": None, "images_config": None,
+    "mm_processor_kwargs": None, "multi_item_delimiter_indices": None, "token_indices_to_pool": None,
+    "cache_salt": None, "kv_hints": None,
+}
+UNSUPPORTED_SAMPLING_FIELDS: dict[str, Any] = {
+    "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "beam_width": None, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "stream_interval": None, "custom_params": None, "watermark": None,
+}
+UNSUPPORTED_COMPLETION_FIELDS: dict[str, Any] = {
+    "best_of": None, "frequency_penalty": 0.0, "presence_penalty": 0.0, "suffix": None, "return_hidden_states": False,
+    "return_routed_experts": False, "routed_experts_start_len": 0, "return_cached_tokens_details": False,
+    "return_spec_tokens_details": False, "json_schema": None, "regex": None, "ebnf": None, "repetition_penalty": 1.0,
+    "stop_regex": None, "lora_path": None, "session_id": None, "session_params": None, "response_format": None,
+    "custom_params": None, "custom_logit_processor": None, "watermark": None, "images_config": None,
+    "mm_processor_kwargs": None, "data_parallel_rank": None, "extra_key": None, "cache_salt": None, "priority": None,
+    "custom_labels": None, "user": None,
+}
+UNSUPPORTED_RELOAD_FIELDS: dict[str, Any] = {
+    "is_async": False, "torch_empty_cache": False, "keep_pause": False, "recapture_cuda_graph": False, "token_step": 0,
+    "manifest": None,
+}
+# OpenAI's legacy completions return at most this many `top_logprobs` per token.
+MAX_COMPLETION_LOGPROBS = 5
+
+
 class _Strict(BaseModel):
+    """A request body: its fields, plus SGLang's fields this server does not support (`unsupported`, with SGLang's
+    default: sending the default or null is fine, anything else is refused naming the field). Any other key is not
+    SGLang's and is refused too."""
+
     model_config = ConfigDict(extra="forbid")
+    unsupported: ClassVar[dict[str, Any]] = {}
+    what: ClassVar[str] = "this request"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_supported_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            if key in cls.model_fields:
+                continue
+            if key in cls.unsupported:
+                if value is not None and value != cls.unsupported[key]:
+                    raise PydanticCustomError("unsupported", "not supported by the built-in server (an SGLang field: leave "
+                                              "it out or send its default, {default})",
+                                              {"field": key, "default": json.dumps(cls.unsupported[key])})
+            else:
+                raise PydanticCustomError("unknown_field", "not a field of {what} (the built-in server takes: {fields})",
+                                          {"field": key, "what": cls.what, "fields": ", ".join(cls.model_fields)})
+        return {k: v for k, v in data.items() if k in cls.model_fields}
 
 
 class SamplingParams(_Strict):
     """Per-prompt sampling settings (SGLang `sampling_params`)."""
 
+    unsupported = UNSUPPORTED_SAMPLING_FIELDS
+    what = "SGLang's sampling_params"
+
     max_new_tokens: StrictInt = Field(128, ge=0)
     temperature: Number = Field(1.0, ge=0.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(-1, ge=-1, le=TOP_K_MAX)
+    min_p: Number = Field(0.0, ge=0.0, le=1.0)
+    min_new_tokens: StrictInt = Field(0, ge=0)
+    stop: Union[StrictStr, list[StrictStr], None] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
+    logit_bias: Optional[dict[StrictStr, Number]] = None
     n: StrictInt = Field(1, ge=1)
     sampling_seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
@@ -48,37 +126,56 @@ class SamplingParams(_Strict):
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop or () if s]
+
+
+TokenIds = list[StrictInt]
+
 
 class GenerateReqInput(_Strict):
-    """Body of `POST /generate`: one prompt (`input_ids: [int]`) or a batch (`[[int]]`)."""
+    """Body of `POST /generate`: one prompt (`input_ids: [int]` or `text: str`) or a batch (`[[int]]`, `[str]`)."""
 
-    input_ids: Union[list[StrictInt], list[list[StrictInt]]]
+    unsupported = UNSUPPORTED_GENERATE_FIELDS
+    what = "SGLang's /generate"
+
+    text: Union[StrictStr, list[StrictStr], None] = None
+    input_ids: Union[TokenIds, list[TokenIds], None] = None
     sampling_params: Union[SamplingParams, list[SamplingParams], None] = None
-    return_logprob: Union[StrictBool, list[StrictBool]] = False
-    logprob_start_len: Union[StrictInt, list[StrictInt]] = -1
-    top_logprobs_num: StrictInt = Field(0, ge=0, le=0)
+    return_logprob: Union[StrictBool, list[StrictBool], None] = False
+    logprob_start_len: Union[StrictInt, list[StrictInt], None] = -1
+    top_logprobs_num: Union[Annotated[StrictInt, Field(ge=0)], list[Annotated[StrictInt, Field(ge=0)]], None] = 0
+    token_ids_logprob: Union[TokenIds, list[TokenIds], None] = None
     return_text_in_logprobs: StrictBool = False
-    stream: StrictBool = Field(False, description="streaming is not supported by the built-in server")
+    stream: StrictBool = False
     rid: Union[StrictStr, list[StrictStr], None] = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "GenerateReqInput":
+        if (self.text is None) == (self.input_ids is None):
+            raise PydanticCustomError("input", "give either input_ids or text", {"field": "input_ids"})
+        return self
 
     @property
     def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)
 
-    def prompts(self) -> list[list[int]]:
+    def prompts(self, tokenize: Callable[[str], list[int]]) -> list[list[int]]:
+        """The prompts as token ids (`text` through `tokenize`)."""
+        if self.text is not None:
+            return [tokenize(t) for t in (self.text if isinstance(self.text, list) else [self.text])]
         return self.input_ids if self.is_batch else [self.input_ids]  # type: ignore[return-value]
 
-    def per_prompt(self, value: Any, name: str) -> list[Any]:
-        """Broadcast a scalar-or-list request field to one value per prompt."""
-        count = len(self.prompts())
-        if isinstance(value, list):
+    def per_prompt(self, value: Any, name: str, count: int, default: Any = None) -> list[Any]:
+        """Broadcast a scalar-or-list request field to one value per prompt (null: `default`)."""
+        if isinstance(value, list) and (name != "token_ids_logprob" or (value and isinstance(value[0], list))):
             if len(value) != count:
-                raise ValueError(f"'{name}' has {len(value)} entries for {count} prompts")
-            return value
-        return [value] * count
-
-    def sampling_per_prompt(self) -> list[SamplingParams]:
-        return self.per_prompt(self.sampling_params or SamplingParams(), "sampling_params")
+                raise ValueError(f"{name}: {len(value)} entries for {count} prompts")
+            return [default if v is None else v for v in value]
+        return [default if value is None else value] * count
 
 
 class UpdateWeightFromDiskReqInput(_Strict):
@@ -88,6 +185,9 @@ class UpdateWeightFromDiskReqInput(_Strict):
     become `alpha * new + (1 - alpha) * old`, TRL's soft reference update.
     """
 
+    unsupported = UNSUPPORTED_RELOAD_FIELDS
+    what = "SGLang's /update_weights_from_disk"
+
     model_path: StrictStr = Field(min_length=1)
     load_format: Optional[StrictStr] = None
     weight_version: Optional[StrictStr] = None
@@ -96,34 +196,63 @@ class UpdateWeightFromDiskReqInput(_Strict):
     mixup_alpha: Optional[Number] = Field(None, gt=0.0, le=1.0)
 
 
-class CompletionRequest(BaseModel):
-    """Body of `POST /v1/completions` (OpenAI), the fields the built-in server honours; others are ignored.
+class StreamOptions(_Strict):
+    what = "OpenAI's stream_options"
 
-    `return_tokens_as_token_ids` (a vLLM extension) makes `logprobs.tokens` read `"token_id:N"`.
-    """
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
-    model_config = ConfigDict(extra="ignore")
+
+class CompletionRequest(_Strict):
+    """Body of `POST /v1/completions` (OpenAI, with SGLang's extensions `top_k`, `min_p`, `min_tokens`,
+    `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `return_token_ids` and `rid`, and vLLM's
+    `return_tokens_as_token_ids`, which makes `logprobs.tokens` read `"token_id:N"`)."""
+
+    unsupported = UNSUPPORTED_COMPLETION_FIELDS
+    what = "SGLang's /v1/completions"
 
     model: Optional[StrictStr] = None
-    prompt: Union[list[StrictInt], list[list[StrictInt]]]
+    prompt: Union[TokenIds, list[TokenIds], StrictStr, list[StrictStr]]
     n: StrictInt = Field(1, ge=1)
     max_tokens: StrictInt = Field(16, ge=0)
     temperature: Number = Field(1.0, ge=0.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(-1, ge=-1, le=TOP_K_MAX)
-    logprobs: Optional[StrictInt] = Field(None, ge=0, le=0)
-    seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    min_p: Number = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: StrictBool = False
+    stop: Union[StrictStr, list[StrictStr], None] = None
     stop_token_ids: Optional[list[StrictInt]] = None
+    logit_bias: Optional[dict[StrictStr, Number]] = None
+    ignore_eos: StrictBool = False
+    no_stop_trim: StrictBool = False
+    seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    return_token_ids: StrictBool = False
     return_tokens_as_token_ids: StrictBool = False
     skip_special_tokens: StrictBool = True
+    rid: Union[StrictStr, list[StrictStr], None] = None
 
-    def prompts(self) -> list[list[int]]:
+    @property
+    def text_prompts(self) -> bool:
+        return isinstance(self.prompt, str) or bool(self.prompt) and isinstance(self.prompt[0], str)
+
+    def prompts(self, tokenize: Callable[[str], list[int]]) -> list[list[int]]:
+        """The prompts as token ids (text through `tokenize`)."""
+        if isinstance(self.prompt, str):
+            return [tokenize(self.prompt)]
+        if self.text_prompts:
+            return [tokenize(p) for p in self.prompt]  # type: ignore[arg-type]
         return self.prompt if self.prompt and isinstance(self.prompt[0], list) else [self.prompt]  # type: ignore[return-value]
 
     def sampling(self) -> SamplingParams:
-        """The settings of every prompt (copy `i` of the request samples with `seed + i`, see the server)."""
+        """The settings of every prompt, as SGLang's `/v1/completions` builds them (`seed` is every copy's seed)."""
         return SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, stop_token_ids=self.stop_token_ids, n=self.n, sampling_seed=self.seed,
+                              top_k=self.top_k, min_p=self.min_p, min_new_tokens=self.min_tokens, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids, logit_bias=self.logit_bias, ignore_eos=self.ignore_eos,
+                              no_stop_trim=self.no_stop_trim, n=self.n, sampling_seed=self.seed,
                               skip_special_tokens=self.skip_special_tokens)
 
 
@@ -133,11 +262,14 @@ def logprob_entries(logprobs: Iterable[Optional[float]], token_ids: Iterable[int
     return list(zip(logprobs, token_ids, repeat(None) if texts is None else texts))
 
 
-def finish_reason(kind: str, matched_or_length: int) -> dict:
-    """SGLang's `finish_reason` object: `{"type": "stop", "matched": id}` or `{"type": "length", "length": n}`."""
+def finish_reason(kind: str, value: Any) -> dict:
+    """SGLang's `finish_reason` object: `{"type": "stop", "matched": id or string}`, `{"type": "length", "length": n}`
+    or, for a request aborted (e.g. by a reload with `abort_all_requests`), `{"type": "abort", "message": ...}`."""
     if kind == "stop":
-        return {"type": "stop", "matched": matched_or_length}
-    return {"type": "length", "length": matched_or_length}
+        return {"type": "stop", "matched": value}
+    if kind == "abort":
+        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    return {"type": "length", "length": value}
 
 
 def error_body(message: str) -> dict:
@@ -220,8 +352,10 @@ def update_weights_request(model_path: str, weight_version: Optional[str] = None
 
 
 def completions_request(model: str, prompts: Sequence[Sequence[int]], sampling: dict, n: int,
-                        seed: Optional[int]) -> dict:
-    """OpenAI `/v1/completions` body for SGLang-style `sampling` (`sampling_params` above), asking for token ids."""
+                        seed: Optional[int], extensions: bool = True) -> dict:
+    """OpenAI `/v1/completions` body for SGLang-style `sampling` (`sampling_params` above), asking for the sampled
+    tokens' log-probs and, with `extensions`, their ids both ways servers say them: SGLang's `return_token_ids` and
+    vLLM's `return_tokens_as_token_ids` (each server ignores the other's), plus `top_k` and `stop_token_ids`."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": [list(map(int, p)) for p in prompts],
@@ -230,26 +364,31 @@ def completions_request(model: str, prompts: Sequence[Sequence[int]], sampling: 
         "temperature": float(sampling.get("temperature", 1.0)),
         "top_p": float(sampling.get("top_p", 1.0)),
         "logprobs": 0,
-        "return_tokens_as_token_ids": True,
-        "skip_special_tokens": False,
     }
-    if sampling.get("top_k", -1) > 0:
-        body["top_k"] = int(sampling["top_k"])
-    if sampling.get("stop_token_ids"):
-        body["stop_token_ids"] = list(sampling["stop_token_ids"])
+    if extensions:
+        body.update(return_token_ids=True, return_tokens_as_token_ids=True, skip_special_tokens=False)
+        if sampling.get("top_k", -1) > 0:
+            body["top_k"] = int(sampling["top_k"])
+        if sampling.get("stop_token_ids"):
+            body["stop_token_ids"] = list(sampling["stop_token_ids"])
     if seed is not None:
         body["seed"] = int(seed) % (2**31)
     return body
 
 
 def completion_from_choice(choice: dict) -> Optional[Completion]:
-    """An OpenAI choice as a `Completion` when its tokens are given as ids (`"token_id:N"`); None if text only."""
+    """An OpenAI choice as a `Completion` when the server said its token ids (SGLang's `token_ids`, or vLLM's
+    `"token_id:N"` tokens); None if it gave text only. Log-probs when given, one per token."""
     logprobs = choice.get("logprobs") or {}
-    tokens = logprobs.get("tokens")
-    if not tokens or not all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in tokens):
-        return None
     values = logprobs.get("token_logprobs")
-    return Completion([int(t[len(TOKEN_ID_PREFIX):]) for t in tokens], [float(v) for v in values] if values else None,
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list):
+        tokens = logprobs.get("tokens")
+        if not tokens or not all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in tokens):
+            return None
+        ids = [int(t[len(TOKEN_ID_PREFIX):]) for t in tokens]
+    usable = isinstance(values, list) and len(values) == len(ids) and all(isinstance(v, (int, float)) for v in values)
+    return Completion(list(map(int, ids)), [float(v) for v in values] if usable else None,
                       finish_reason_of_choice(choice), None)
 
 

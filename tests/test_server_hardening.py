@@ -332,13 +332,18 @@ BAD_GENERATE_VALUES = [
     ("sampling_params.min_tokens", 1, "min_tokens"), ("sampling_params", [{}, {}], "sampling_params"),
     ("sampling_params", "greedy", "sampling_params"), ("return_logprob", "yes", "return_logprob"),
     ("return_logprob", [True, False], "return_logprob"), ("logprob_start_len", 99, "logprob_start_len"),
-    ("logprob_start_len", -2, "logprob_start_len"), ("top_logprobs_num", 5, "top_logprobs_num"),
-    ("stream", True, "stream"), ("rid", 5, "rid"), ("no_such_field", 1, "no_such_field"),
+    ("logprob_start_len", -2, "logprob_start_len"), ("top_logprobs_num", -1, "top_logprobs_num"),
+    ("stream", "yes", "stream"), ("rid", 5, "rid"), ("no_such_field", 1, "no_such_field"),
+    ("token_ids_logprob", [VOCAB], "token_ids_logprob"), ("lora_path", "adapter", "not supported by the built-in server"),
+    ("sampling_params.regex", "a+", "sampling_params.regex: not supported"),
+    ("sampling_params.repetition_penalty", 1.2, "repetition_penalty"), ("sampling_params.logit_bias", {"x": 1.0}, "logit_bias"),
+    ("text", 5, "text"),
 ]
 BAD_COMPLETION_VALUES = [
-    ("prompt", [], "prompt[0]"), ("prompt", "text", "prompt"), ("prompt", [VOCAB], "prompt[0]"), ("n", 10**8, "--max-n"),
+    ("prompt", [], "prompt[0]"), ("prompt", 5, "prompt"), ("prompt", [VOCAB], "prompt[0]"), ("n", 10**8, "--max-n"),
     ("n", 0, "n"), ("max_tokens", 10**6, "max_tokens"), ("seed", 2**63, "seed"), ("top_k", 2**62, "top_k"),
-    ("logprobs", 3, "logprobs"), ("temperature", -1, "temperature"),
+    ("logprobs", 6, "logprobs"), ("temperature", -1, "temperature"), ("best_of", 2, "best_of: not supported"),
+    ("stop", 5, "stop"), ("stream_options", {"x": 1}, "stream_options.x"),
 ]
 BAD_RAW = [  # (route, body bytes, Content-Type, words)
     ("/generate", b"{not json", "application/json", "not valid JSON"), ("/generate", b"[1, 2]", "application/json", "body"),
@@ -397,10 +402,11 @@ def _bad_requests(rng, count, allowed_dir):
 
 
 def _same_answer(got, want):
-    """Token ids and texts equal; log-probs equal within float noise (a batch's padding may move the last bits)."""
+    """Token ids and texts equal; log-probs equal within float noise (a batch's padding may move the last bits); each
+    answer has its own `id` and `created`."""
     if isinstance(want, dict):
         assert got.keys() == want.keys()
-        for key in want:
+        for key in want.keys() - {"id", "created"}:
             _same_answer(got[key], want[key])
     elif isinstance(want, list):
         assert len(got) == len(want)

@@ -19,27 +19,37 @@ import logging
 import os
 import random
 import re
-from itertools import chain, islice
+import time
 from typing import Any, Optional
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
 from open_r1_ext import __version__
 from open_r1_ext.server.batcher import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, Batcher
 from open_r1_ext.server.engine import DTYPES, GenerationTask, ModelEngine
-from open_r1_ext.server.limits import COMPLETION_FIELDS, GENERATE_FIELDS, BadRequest, Limits, check_request
+from open_r1_ext.server.limits import COMPLETION_FIELDS, GENERATE_FIELDS, BadRequest, Limits, check_request, check_token_ids
+from open_r1_ext.server.responses import (
+    SSE_DONE,
+    CompletionAsk,
+    GenerateAsk,
+    PromptLogprobs,
+    completion_choice,
+    generate_output,
+    prompt_logprobs,
+    request_id,
+    sse,
+    usage,
+)
 from open_r1_ext.protocol import (
     CompletionRequest,
     GenerateReqInput,
     SamplingParams,
     UpdateWeightFromDiskReqInput,
     error_body,
-    finish_reason,
-    logprob_entries,
 )
 from open_r1_ext.weight_files import WeightFileError
 
@@ -63,8 +73,11 @@ def _describe_validation_error(err: RequestValidationError) -> str:
         if e.get("type") == "json_invalid":
             return f"body is not valid JSON ({e.get('ctx', {}).get('error', 'decode error')})"
         loc = list(e.get("loc", ()))
+        loc = loc[1:] if loc[:1] == ["body"] else loc
+        if "field" in e.get("ctx", {}):  # a key refused by `protocol._Strict`: the field itself is the path's end
+            loc.append(e["ctx"]["field"])
         path = ""
-        for item in loc[1:] if loc[:1] == ["body"] else loc:
+        for item in loc:
             if isinstance(item, int):
                 path += f"[{item}]"
             elif not _UNION_MEMBER.match(str(item)):
@@ -81,17 +94,18 @@ REF_PREFIX = "/ref"
 
 def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[str] = None, random_seed: int = 0,
                context_length: Optional[int] = None, limits: Optional[Limits] = None,
-               weight_dirs: Optional[list[str]] = None, deterministic: bool = False) -> FastAPI:
+               weight_dirs: Optional[list[str]] = None, deterministic: bool = False, text_only: bool = False) -> FastAPI:
     """The FastAPI application serving each `(engine, batcher)` slot under its URL prefix ("" is the root).
     `limits`: what one request may ask for (default: `Limits()`); `weight_dirs`: the directories
     `/update_weights_from_disk` may read below (None: any); `deterministic` (`--enable-deterministic-inference`):
-    `sampling_seed` is honoured (else ignored, as SGLang does)."""
+    `sampling_seed` is honoured (else ignored, as SGLang does); `text_only` (`--openai-text-only`): `/v1/completions`
+    imitates a plain OpenAI-compatible server (text prompts only, one choice per prompt whatever `n`, no token ids)."""
     app = FastAPI(title="open_r1_ext built-in server", version=__version__)
     limits = limits or Limits()
     allowed = None if weight_dirs is None else [os.path.realpath(d) for d in weight_dirs]
     for prefix, (engine, batcher) in slots.items():
-        app.include_router(slot_router(engine, batcher, random_seed, context_length, limits, allowed, deterministic),
-                           prefix=prefix)
+        app.include_router(slot_router(engine, batcher, random_seed, context_length, limits, allowed, deterministic,
+                                       text_only), prefix=prefix)
 
     if api_key:  # only then: the middleware costs every request a little
         expected = f"Bearer {api_key}".encode()
@@ -230,11 +244,13 @@ def _handed_in(request: Request) -> None:
 
 
 def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context_length: Optional[int], limits: Limits,
-                weight_dirs: Optional[list[str]], deterministic: bool = False) -> APIRouter:
+                weight_dirs: Optional[list[str]], deterministic: bool = False, text_only: bool = False) -> APIRouter:
     """The routes of one model slot."""
     app = APIRouter(route_class=OrjsonRoute)
     seeds = random.Random(random_seed)
     max_len = context_length or engine.context_length
+    started = int(time.time())
+    in_flight: set[GenerationTask] = set()  # what a reload with abort_all_requests aborts
 
     def seed_of(sampling_seed: Optional[int]) -> int:
         """As SGLang: `sampling_seed` counts only with `--enable-deterministic-inference` (then a request without one
@@ -245,6 +261,10 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
     def check(prompts, sampling, starts, fields) -> None:
         check_request(prompts, sampling, starts, fields, limits, engine.vocab_size, max_len)
+        for params in sampling:
+            if params.logit_bias:
+                check_token_ids([[int(t) if t.lstrip("-").isdigit() else t for t in params.logit_bias]],
+                                "sampling_params.logit_bias", engine.vocab_size)
 
     @app.get("/health")
     async def health() -> Response:
@@ -285,6 +305,9 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             "device": str(engine.device),
             "random_seed": random_seed,
             "context_length": max_len,
+            # SGLang's KV-cache size in tokens; the built-in server keeps no cache across requests, so its bound is
+            # what one request may hold (--max-request-tokens)
+            "max_total_num_tokens": limits.max_request_tokens,
             "max_batch_wait_ms": batcher.max_wait * 1000.0,
             "batches_run": batcher.batches_run,
             "sequences_generated": batcher.sequences_generated,
@@ -292,6 +315,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             "weight_version": engine.weight_version,
             "enable_deterministic_inference": deterministic,
             "supports_weight_mixup": True,  # `mixup_alpha` on /update_weights_from_disk (SGLang has none)
+            "openai_text_only": text_only,
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -302,6 +326,12 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput) -> JSONResponse:
         if obj.load_format not in LOAD_FORMATS:
             raise BadRequest(f"load_format {obj.load_format!r} is not supported by the built-in server; use 'auto'")
+        aborted = 0
+        if obj.abort_all_requests:  # as SGLang: the requests in flight end now, with finish reason "abort"
+            for task in list(in_flight):
+                if task.finish is None:
+                    task.abort()
+                    aborted += 1
         future = batcher.call_exclusive(lambda: engine.load_weights(_allowed(obj.model_path, weight_dirs), obj.weight_version, obj.mixup_alpha))
         try:
             message = await asyncio.wrap_future(future)
@@ -309,76 +339,193 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             logger.warning("weight update from %s refused: %s", obj.model_path, err)
             content = {"success": False, "message": str(err), "num_paused_requests": 0}
             return JSONResponse(status_code=400, content=content)
-        logger.info("%s (weight_version=%s)", message, engine.weight_version)
+        logger.info("%s (weight_version=%s, %d requests aborted)", message, engine.weight_version, aborted)
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    def tokenize(text: str) -> list[int]:
+        return engine.tokenizer(text)["input_ids"]
+
+    async def run(tasks: list[GenerationTask], to_score: list[list[int]], detailed: list, request: Request):
+        """Queue `tasks` (sampling) and `to_score` (prompt log-probs), then `detailed` (top / chosen log-probs of
+        prompts, `(prompt, top_n, ids)`); await them all. Returns the scores and the detailed lists."""
+        in_flight.update(tasks)
+        try:
+            gen_future = asyncio.wrap_future(batcher.generate(tasks)) if tasks else None
+            score_future = asyncio.wrap_future(batcher.score(to_score)) if to_score else None
+            detail_future = asyncio.wrap_future(batcher.call_exclusive(
+                lambda: [engine.score_top(p, top, ids) for p, top, ids in detailed])) if detailed else None
+            _handed_in(request)
+            scored = await score_future if score_future is not None else []
+            details = await detail_future if detail_future is not None else []
+            if gen_future is not None:
+                await gen_future
+            return scored, details
+        finally:
+            in_flight.difference_update(tasks)
+
+    def prompt_inputs(prompts, want, starts, tops, token_ids, want_text, scored, details):
+        """Each prompt's `PromptLogprobs` from the scores and detailed lists `run` returned."""
+        scored_iter, detail_iter = iter(scored), iter(details)
+        out = []
+        for prompt, w, start, top, ids in zip(prompts, want, starts, tops, token_ids):
+            if not (w and start >= 0):
+                out.append(PromptLogprobs())
+                continue
+            top_lists, chosen = next(detail_iter) if (top or ids is not None) else ([], [])
+            out.append(prompt_logprobs(engine, prompt, next(scored_iter), start, want_text, top_lists, chosen))
+        return out
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(obj: GenerateReqInput, request: Request) -> Any:
-        prompts = obj.prompts()
+        prompts = obj.prompts(tokenize)
+        count = len(prompts)
         try:
-            sampling = obj.sampling_per_prompt()
-            want_logprob = obj.per_prompt(obj.return_logprob, "return_logprob")
-            starts = obj.per_prompt(obj.logprob_start_len, "logprob_start_len")
+            sampling = obj.per_prompt(obj.sampling_params, "sampling_params", count, SamplingParams())
+            want = obj.per_prompt(obj.return_logprob, "return_logprob", count, False)
+            starts = obj.per_prompt(obj.logprob_start_len, "logprob_start_len", count, -1)
+            tops = obj.per_prompt(obj.top_logprobs_num, "top_logprobs_num", count, 0)
+            token_ids = obj.per_prompt(obj.token_ids_logprob, "token_ids_logprob", count, None)
+            rids = obj.per_prompt(obj.rid, "rid", count, None)
         except ValueError as err:
             raise BadRequest(str(err)) from err
-        if obj.stream:
-            raise BadRequest("stream: streaming is not supported by the built-in server")
         check(prompts, sampling, starts, GENERATE_FIELDS)
+        check_token_ids(token_ids, "token_ids_logprob", engine.vocab_size)
+        asks = [GenerateAsk(w, top, ids, obj.return_text_in_logprobs) for w, top, ids in zip(want, tops, token_ids)]
+        tasks, outputs_of = [], []
+        for prompt, params, ask, rid in zip(prompts, sampling, asks, rids):
+            for copy in range(params.n):
+                tasks.append(GenerationTask(prompt=list(prompt), params=params, seed=seed_of(params.sampling_seed),
+                                            top_logprobs_num=top_of(ask), token_ids_logprob=ids_of(ask)))
+                outputs_of.append((ask, rid if rid is not None and params.n == 1 else request_id()))
+        wants_input = [w and start >= 0 for w, start in zip(want, starts)]
+        to_score = [p for p, w in zip(prompts, wants_input) if w]
+        detailed = [(p, top_of(a), ids_of(a)) for p, a, w in zip(prompts, asks, wants_input)
+                    if w and (top_of(a) or ids_of(a) is not None)]
+        copies = [params.n for params in sampling]
+        many = obj.is_batch or len(tasks) > 1
 
-        tasks: list[list[GenerationTask]] = []
-        for prompt, params in zip(prompts, sampling):
-            copies = []
-            for _ in range(params.n):
-                copies.append(GenerationTask(prompt=list(prompt), params=params, seed=seed_of(params.sampling_seed)))
-            tasks.append(copies)
-        flat = [t for copies in tasks for t in copies]
-        to_score = [p for p, want, start in zip(prompts, want_logprob, starts) if want and start >= 0]
-        gen_future = asyncio.wrap_future(batcher.generate(flat))
-        score_future = asyncio.wrap_future(batcher.score(to_score)) if to_score else None
-        _handed_in(request)
-        scored_iter = iter(await score_future if score_future is not None else [])
-        await gen_future
+        if obj.stream:
+            async def chunks():
+                scored, details = await run([], to_score, detailed, request) if to_score else ([], [])
+                inputs = prompt_inputs(prompts, want, starts, tops, token_ids, obj.return_text_in_logprobs, scored, details)
+                per_task = [inputs[p] for p, n in enumerate(copies) for _ in range(n)]
+                async for index, n in stream_tasks(tasks):
+                    ask, rid = outputs_of[index]
+                    out = generate_output(engine, tasks[index], ask, per_task[index], rid, n)
+                    if many:
+                        out["index"] = index
+                    yield sse(out)
+                yield SSE_DONE
 
-        outputs = []
-        for prompt, copies, want, start in zip(prompts, tasks, want_logprob, starts):
-            input_logprobs = None
-            if want:
-                input_logprobs = _input_logprob_entries(engine, prompt, next(scored_iter) if start >= 0 else None, start, obj.return_text_in_logprobs)
-            for task in copies:
-                outputs.append(_response(engine, task, input_logprobs, want, obj.return_text_in_logprobs))
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        scored, details = await run(tasks, to_score, detailed, request)
+        inputs = prompt_inputs(prompts, want, starts, tops, token_ids, obj.return_text_in_logprobs, scored, details)
+        per_task = [inputs[p] for p, n in enumerate(copies) for _ in range(n)]
+        outputs = [generate_output(engine, task, ask, inp, rid) for task, (ask, rid), inp in zip(tasks, outputs_of, per_task)]
         # orjson straight to bytes: FastAPI's own path would validate and serialise thousands of entries again.
-        return Response(orjson.dumps(outputs if obj.is_batch or len(outputs) > 1 else outputs[0]), media_type="application/json")
+        return Response(orjson.dumps(outputs if many else outputs[0]), media_type="application/json")
+
+    async def stream_tasks(tasks: list[GenerationTask]):
+        """Run `tasks`, yielding `(index, tokens so far)` after every sampled token, and once more for each task whose
+        end was not yet sent. A client that goes away aborts what is left."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        for index, task in enumerate(tasks):
+            task.on_token = lambda t, i=index: loop.call_soon_threadsafe(events.put_nowait, (i, len(t.output_ids)))
+        in_flight.update(tasks)
+        future = batcher.generate(tasks)
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
+        sent_end = [False] * len(tasks)
+        try:
+            while (event := await events.get()) is not None:
+                index, n = event
+                sent_end[index] = tasks[index].finish is not None and n >= len(tasks[index].output_ids)
+                yield index, n
+            future.result()  # a failed batch: its error ends the stream
+            for index, task in enumerate(tasks):
+                if not sent_end[index]:
+                    yield index, len(task.output_ids)
+        finally:
+            for task in tasks:
+                task.abort()
+            in_flight.difference_update(tasks)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [{"id": engine.model_path, "object": "model", "owned_by": "open_r1_ext"}]}
+        card = {"id": engine.model_path, "object": "model", "created": started, "owned_by": "open_r1_ext",
+                "root": engine.model_path, "max_model_len": max_len}
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(obj: CompletionRequest, request: Request) -> dict:
-        prompts = obj.prompts()
+    async def completions(obj: CompletionRequest, request: Request) -> Any:
+        if text_only and not obj.text_prompts:
+            raise BadRequest("prompt: this server (--openai-text-only) takes text prompts only")
+        prompts = obj.prompts(tokenize)
         params = obj.sampling()
+        n = 1 if text_only else obj.n  # a server like llama.cpp's answers one choice per prompt
+        params = params.model_copy(update={"n": n})
         check(prompts, [params] * len(prompts), [-1] * len(prompts), COMPLETION_FIELDS)
-        # as SGLang: `seed` is every copy's `sampling_seed` (identical copies in deterministic mode)
-        tasks = [GenerationTask(prompt=list(prompts[i // obj.n]), params=params, seed=seed_of(obj.seed))
-                 for i in range(len(prompts) * obj.n)]
-        future = asyncio.wrap_future(batcher.generate(tasks))
-        _handed_in(request)
-        await future
-        choices = []
-        for index, task in enumerate(tasks):
-            logprobs = None
-            if obj.logprobs is not None:
-                tokens = ([f"token_id:{t}" for t in task.output_ids] if obj.return_tokens_as_token_ids
-                          else [engine.tokenizer.decode([t]) for t in task.output_ids])
-                logprobs = {"tokens": tokens, "token_logprobs": task.output_logprobs}
-            text = engine.tokenizer.decode(task.output_ids, skip_special_tokens=obj.skip_special_tokens)
-            kind = task.finish[0] if task.finish else "length"
-            choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": kind})
-        usage = sum(len(t.output_ids) for t in tasks)
-        return {"object": "text_completion", "model": obj.model or engine.model_path, "choices": choices,
-                "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": usage}}
+        ask = CompletionAsk(obj.logprobs, obj.echo, obj.return_token_ids and not text_only,
+                            obj.return_tokens_as_token_ids and not text_only)
+        top = obj.logprobs or 0
+        tasks = [GenerationTask(prompt=list(prompts[i // n]), params=params, seed=seed_of(obj.seed), top_logprobs_num=top)
+                 for i in range(len(prompts) * n)]
+        echo_logprobs = obj.echo and bool(obj.logprobs)
+        to_score = prompts if echo_logprobs else []
+        detailed = [(p, top, None) for p in prompts] if echo_logprobs else []
+
+        def echo_text(i: int) -> str:
+            if not obj.echo:
+                return ""
+            if obj.text_prompts:
+                return obj.prompt if isinstance(obj.prompt, str) else obj.prompt[i // n]
+            return engine.tokenizer.decode(prompts[i // n], skip_special_tokens=True)
+
+        rid = request_id("cmpl-")
+        created = int(time.time())
+        model = obj.model or engine.model_path
+
+        def body(choices, **extra) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices, **extra}
+
+        if obj.stream:
+            async def chunks():
+                scored, details = await run([], to_score, detailed, request) if to_score else ([], [])
+                inputs = prompt_inputs(prompts, [echo_logprobs] * len(prompts), [0] * len(prompts), [top] * len(prompts),
+                                       [None] * len(prompts), False, scored, details)
+                sent = [0] * len(tasks)
+                text_sent = [0] * len(tasks)
+                async for index, count in stream_tasks(tasks):
+                    task = tasks[index]
+                    choice = completion_choice(engine, index, task, ask, echo_text(index), inputs[index // n],
+                                               start=sent[index], count=count, text_from=text_sent[index])
+                    text_sent[index] += len(choice["text"]) - (len(echo_text(index)) if sent[index] == 0 else 0)
+                    sent[index] = count
+                    yield sse(body([choice]))
+                options = obj.stream_options
+                if options is not None and options.include_usage:
+                    yield sse(body([], usage=usage(prompts, tasks)))
+                yield SSE_DONE
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        scored, details = await run(tasks, to_score, detailed, request)
+        inputs = prompt_inputs(prompts, [echo_logprobs] * len(prompts), [0] * len(prompts), [top] * len(prompts),
+                               [None] * len(prompts), False, scored, details)
+        choices = [completion_choice(engine, i, task, ask, echo_text(i), inputs[i // n]) for i, task in enumerate(tasks)]
+        return Response(orjson.dumps(body(choices, usage=usage(prompts, tasks))), media_type="application/json")
 
     return app
+
+
+def top_of(ask: GenerateAsk) -> int:
+    """Top log-probs are computed only for a request that asks for log-probs (as SGLang)."""
+    return ask.top_logprobs_num if ask.return_logprob else 0
+
+
+def ids_of(ask: GenerateAsk) -> Optional[list[int]]:
+    return ask.token_ids_logprob if ask.return_logprob else None
 
 
 def _allowed(model_path: str, weight_dirs: Optional[list[str]]) -> str:
@@ -392,38 +539,6 @@ def _allowed(model_path: str, weight_dirs: Optional[list[str]]) -> str:
             raise WeightFileError(f"model_path: {model_path} is not below a directory this server may read weights from "
                                   f"(--weight-dirs {' '.join(weight_dirs)})")
     return model_path
-
-
-def _token_texts(engine: ModelEngine, ids: list[int], want_text: bool):
-    return [engine.tokenizer.decode([t]) for t in ids] if want_text else None
-
-
-def _input_logprob_entries(engine, prompt, scored, start, want_text):
-    """SGLang's `input_token_logprobs`: from `logprob_start_len` on, the first prompt token's logprob null."""
-    if start < 0:
-        return []
-    ids = prompt[start:]
-    values = chain([None], scored) if start == 0 else islice(scored, start - 1, None)  # scored[i] is token i + 1's
-    return logprob_entries(values, ids, _token_texts(engine, ids, want_text))
-
-
-def _response(engine: ModelEngine, task: GenerationTask, input_logprobs, want_logprob: bool, want_text: bool) -> dict:
-    kind, value = task.finish or ("length", len(task.output_ids))
-    meta: dict[str, Any] = {
-        "id": None,
-        "finish_reason": finish_reason(kind, value),
-        "prompt_tokens": len(task.prompt),
-        "completion_tokens": len(task.output_ids),
-        "cached_tokens": 0,
-        "weight_version": engine.weight_version,
-    }
-    if want_logprob:
-        meta["input_token_logprobs"] = input_logprobs
-        meta["output_token_logprobs"] = logprob_entries(
-            task.output_logprobs, task.output_ids, _token_texts(engine, task.output_ids, want_text)
-        )
-    text = engine.tokenizer.decode(task.output_ids, skip_special_tokens=task.params.skip_special_tokens)
-    return {"text": text, "output_ids": task.output_ids, "meta_info": meta}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -454,8 +569,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--weight-dirs", nargs="+", default=None, metavar="DIR",
                         help="/update_weights_from_disk reads only below these directories (default: anywhere); "
                              "launchers pass the run's sync_dir")
+    parser.add_argument("--openai-text-only", action="store_true",
+                        help="for tests of the OpenAI backend: /v1/completions behaves like a plain OpenAI-compatible "
+                             "server (e.g. llama.cpp's): text prompts only, one choice per prompt whatever n, no token ids")
     parser.add_argument("--log-level", default="info")
-    return parser.parse_args(argv)
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="flags from a YAML mapping, as SGLang's --config (e.g. `api-key: KEY`, which then stays off "
+                             "the command line, where ps shows it); flags on the command line win")
+    args = parser.parse_args(argv)
+    if args.config:
+        import yaml
+
+        with open(args.config) as file:
+            values = {str(k).replace("-", "_"): v for k, v in (yaml.safe_load(file) or {}).items()}
+        unknown = sorted(set(values) - {action.dest for action in parser._actions} - {"config", "help"})
+        if unknown:
+            parser.error(f"--config {args.config}: unknown flag(s) {', '.join(unknown)}")
+        parser.set_defaults(**values)
+        args = parser.parse_args(argv)
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -478,7 +610,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     limits = Limits(max_n=args.max_n, max_batch_items=args.max_batch_items, max_request_tokens=args.max_request_tokens,
                     max_body_bytes=args.max_body_bytes)
     app = create_app(slots, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length,
-                     limits=limits, weight_dirs=args.weight_dirs, deterministic=args.enable_deterministic_inference)
+                     limits=limits, weight_dirs=args.weight_dirs, deterministic=args.enable_deterministic_inference,
+                     text_only=args.openai_text_only)
     # The hundreds of thousands of objects torch, transformers and FastAPI leave on the heap are permanent: keep the
     # garbage collector from re-scanning them after every response (measured: ~90 ms of CPU per 32x256 request).
     gc.collect()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,19 +19,35 @@ from open_r1_ext.weight_files import WeightFileError, read_weight_dir
 
 logger = logging.getLogger(__name__)
 
+# A stop string is looked for in the text of the last this many output tokens (SGLang keeps a window of text, too).
+STOP_STRING_TAIL_TOKENS = 32
 DTYPES = {name: None if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the server keeps the tasks in flight in a set
 class GenerationTask:
-    """One sequence to sample: a prompt, its settings and the seed of its own random generator."""
+    """One sequence to sample: a prompt, its settings and the seed of its own random generator.
+
+    `top_logprobs_num` / `token_ids_logprob` ask for each step's most likely tokens / the given tokens with their
+    log-probs (`output_top_logprobs`, `output_token_ids_logprobs`: `(logprob, id)` pairs). `on_token`, if set, is
+    called on the worker thread after every sampled token (streaming). `abort()` stops it at the next step with
+    finish reason `abort`."""
 
     prompt: list[int]
     params: SamplingParams
     seed: int
+    top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None
+    on_token: Optional[Callable[["GenerationTask"], None]] = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    finish: Optional[tuple[str, int]] = None
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    finish: Optional[tuple[str, Any]] = None
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
 
 
 class ModelEngine:
@@ -76,6 +92,21 @@ class ModelEngine:
         token_logprobs = _gather_logprobs(logits, ids[:, 1:]).tolist()
         return [row if n == longest else row[: n - 1] for row, n in zip(token_logprobs, lengths)]
 
+    @torch.inference_mode()
+    def score_top(self, sequence: list[int], top_n: int, token_ids: Optional[list[int]]) -> tuple[list, list]:
+        """For token i = 1..len-1 of `sequence`: its `top_n` most likely tokens and the `token_ids` given, each as
+        `(logprob, id)` pairs of `log p(. | t_<i)` (SGLang's `input_top_logprobs` / `input_token_ids_logprobs`)."""
+        ids = torch.tensor([sequence], dtype=torch.long, device=self.device)
+        logprobs = F.log_softmax(self.model(input_ids=ids, use_cache=False).logits[0, :-1].float(), dim=-1)
+        tops: list = []
+        if top_n:
+            top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
+            tops = [list(zip(v, i)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        chosen: list = []
+        if token_ids is not None:
+            chosen = [list(zip(row, token_ids)) for row in logprobs[:, token_ids].tolist()]
+        return tops, chosen
+
     # ------------------------------------------------------------- generation
     @torch.inference_mode()
     def generate(self, tasks: list[GenerationTask]) -> list[GenerationTask]:
@@ -87,9 +118,9 @@ class ModelEngine:
         from transformers import DynamicCache
 
         for task in tasks:  # from scratch: the batcher re-runs the tasks of a failed batch one request at a time
-            task.output_ids, task.output_logprobs = [], []
-            task.finish = ("length", 0) if task.params.max_new_tokens == 0 else None
-        active = [t for t in tasks if t.params.max_new_tokens > 0]
+            task.output_ids, task.output_logprobs, task.output_top_logprobs, task.output_token_ids_logprobs = [], [], [], []
+            task.finish = ("abort", 0) if task.aborted else ("length", 0) if task.params.max_new_tokens == 0 else None
+        active = [t for t in tasks if t.finish is None]
         if not active:
             return tasks
         longest = max(len(t.prompt) for t in active)
@@ -114,38 +145,81 @@ class ModelEngine:
             mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=self.device)], dim=1)
             if all(t.finish is not None for t in active):
                 break
+        for task in active:
+            if task.finish is None:  # aborted before its first step
+                task.finish = ("abort", len(task.output_ids))
         return tasks
 
     def _next_tokens(self, tasks: list[GenerationTask], logits: torch.Tensor, generators) -> torch.Tensor:
         """One decode step for all rows at once: pick each unfinished task's token (greedy, or sampled with its own
-        generator by the Gumbel-max trick over its top-k/top-p set), record its log-prob (temperature-scaled, as
-        SGLang returns them) and whether it finished. Finished rows get the pad token."""
+        generator by the Gumbel-max trick over its top-k/top-p/min-p set), record its log-prob (temperature-scaled,
+        after `logit_bias`, as SGLang returns them) and whether it finished. Finished rows get the pad token."""
         next_ids = torch.full((len(tasks),), self.pad_token_id, dtype=torch.long, device=self.device)
+        for task in tasks:
+            if task.aborted and task.finish is None:
+                task.finish = ("abort", len(task.output_ids))
         rows = [i for i, t in enumerate(tasks) if t.finish is None]
         if not rows:
             return next_ids
         params = [tasks[i].params for i in rows]
+        logits = logits[rows]
+        self._adjust_logits(logits, [tasks[i] for i in rows])
         greedy = torch.tensor([p.greedy for p in params], device=self.device)
         temperature = torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=self.device)
-        logprobs = F.log_softmax(logits[rows] / temperature[:, None], dim=-1)
-        filtered = _top_k_top_p(logprobs, [p.top_k for p in params], [float(p.top_p) for p in params])
+        logprobs = F.log_softmax(logits / temperature[:, None], dim=-1)
+        filtered = _top_k_top_p(logprobs, [p.top_k for p in params], [float(p.top_p) for p in params],
+                                [float(p.min_p) for p in params])
         uniform = torch.stack([torch.rand(logits.shape[-1], generator=generators[i], device=self.device) for i in rows])
         gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
-        chosen = torch.where(greedy, logits[rows].argmax(-1), (filtered + gumbel).argmax(-1))
+        chosen = torch.where(greedy, logits.argmax(-1), (filtered + gumbel).argmax(-1))
         chosen_logprobs = logprobs.gather(-1, chosen[:, None])[:, 0]
         next_ids[rows] = chosen
-        for row, token, logprob in zip(rows, chosen.tolist(), chosen_logprobs.tolist()):
+        most = max(tasks[i].top_logprobs_num for i in rows)
+        top = logprobs.topk(min(most, logprobs.shape[-1]), dim=-1) if most else None
+        for k, (row, token, logprob) in enumerate(zip(rows, chosen.tolist(), chosen_logprobs.tolist())):
             task = tasks[row]
             task.output_ids.append(token)
             task.output_logprobs.append(logprob)
-            stops = set(task.params.stop_token_ids or ())
-            if not task.params.ignore_eos:
-                stops |= self.eos_token_ids
-            if token in stops:
-                task.finish = ("stop", token)
-            elif len(task.output_ids) >= task.params.max_new_tokens:
-                task.finish = ("length", len(task.output_ids))
+            if task.top_logprobs_num:
+                n = task.top_logprobs_num
+                task.output_top_logprobs.append(list(zip(top.values[k, :n].tolist(), top.indices[k, :n].tolist())))
+            if task.token_ids_logprob is not None:
+                ids = task.token_ids_logprob
+                task.output_token_ids_logprobs.append(list(zip(logprobs[k, ids].tolist(), ids)))
+            task.finish = self._finished(task, token)
+            if task.on_token is not None:
+                task.on_token(task)
         return next_ids
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        stops = set(params.stop_token_ids or ())
+        return stops if params.ignore_eos else stops | self.eos_token_ids
+
+    def _adjust_logits(self, logits: torch.Tensor, tasks: list[GenerationTask]) -> None:
+        """In place, per row: `logit_bias` added; the stop tokens masked while fewer than `min_new_tokens` are out."""
+        for k, task in enumerate(tasks):
+            params = task.params
+            if params.logit_bias:
+                ids = torch.tensor([int(t) for t in params.logit_bias], device=self.device)
+                logits[k, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=self.device)
+            if len(task.output_ids) < params.min_new_tokens:
+                stops = sorted(self._stop_ids(params))
+                if stops:
+                    logits[k, stops] = float("-inf")
+
+    def _finished(self, task: GenerationTask, token: int) -> Optional[tuple[str, Any]]:
+        """`("stop", token id or stop string)`, `("length", n)` or None (goes on)."""
+        params = task.params
+        if token in self._stop_ids(params):
+            return ("stop", token)
+        if params.stop_strings:
+            tail = self.tokenizer.decode(task.output_ids[-STOP_STRING_TAIL_TOKENS:])
+            matched = next((s for s in params.stop_strings if s in tail), None)
+            if matched is not None:
+                return ("stop", matched)
+        if len(task.output_ids) >= params.max_new_tokens:
+            return ("length", len(task.output_ids))
+        return None
 
     # ----------------------------------------------------------------- weights
     @torch.inference_mode()
@@ -199,15 +273,16 @@ def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def _top_k_top_p(logprobs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Per row, mask (to -inf) the tokens outside its top-k (k <= 0: none) and outside the smallest set whose
-    probability reaches its top-p."""
+def _top_k_top_p(logprobs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Per row, mask (to -inf) the tokens outside its top-k (k <= 0: none), outside the smallest set whose
+    probability reaches its top-p, and below `min_p` times the most likely token's probability."""
     sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
     rank = torch.arange(logprobs.shape[-1], device=logprobs.device)[None, :]
     k = torch.tensor([kk if kk > 0 else logprobs.shape[-1] for kk in top_k], device=logprobs.device)[:, None]
     p = torch.tensor(top_p, device=logprobs.device)[:, None]
     probs = sorted_lp.softmax(-1)
-    drop_sorted = (rank >= k) | (probs.cumsum(-1) - probs >= p)
+    floor = torch.tensor(min_p, device=logprobs.device)[:, None] * probs[:, :1]
+    drop_sorted = (rank >= k) | (probs.cumsum(-1) - probs >= p) | (probs < floor)
     drop_sorted[:, 0] = False  # the most likely token always stays (a top_p that underflows float32 would drop all)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logprobs.masked_fill(drop, float("-inf"))

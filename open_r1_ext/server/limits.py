@@ -77,3 +77,11 @@ def check_request(prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingP
         raise BadRequest(f"{fields.prompts}: the request asks for {tokens} tokens (n x (input + {fields.max_new_tokens}) "
                          f"over its prompts), more than the server's limit (--max-request-tokens "
                          f"{limits.max_request_tokens}); split the request")
+
+
+def check_token_ids(lists: Sequence, field: str, vocab_size: int) -> None:
+    """Raise `BadRequest` naming `field` unless every list of token ids (None: none given) lies in the vocabulary."""
+    for ids in lists:
+        if ids and not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+            bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size))
+            raise BadRequest(f"{field}: token id {bad!r} is outside the vocabulary [0, {vocab_size})")

@@ -21,7 +21,9 @@ from typing import Iterator, Optional
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from open_r1_ext.launch.jobs import SIGTERM_EXIT
 from open_r1_ext.launch.recipe import Recipe, RecipeError, ServerSpec, load_recipe
+from open_r1_ext.launch.run_key import key_file, read_run_key, write_run_key
 
 logger = logging.getLogger("open_r1_ext.train")
 SERVER_URL_ENV, REF_URL_ENV = "OPEN_R1_EXT_SERVER_URL", "OPEN_R1_EXT_REF_URL"
@@ -45,7 +47,13 @@ def train_recipe(path: str, overrides: list[str], server_url: Optional[str] = No
     except RecipeError as err:
         print(err, file=sys.stderr)
         return 2
-    run(recipe, server_url=server_url, ref_url=ref_url)
+    trainer = run(recipe, server_url=server_url, ref_url=ref_url)
+    stop = trainer.stop_signal
+    if stop.stopped_at is not None:
+        print(f"{stop.received}: stopped after step {stop.stopped_at} with a checkpoint in "
+              f"{recipe.output_dir}/checkpoint-{stop.stopped_at}; run the same command again to resume from it",
+              file=sys.stderr, flush=True)
+        return SIGTERM_EXIT
     return 0
 
 
@@ -66,7 +74,8 @@ def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str]
     reward_funcs = build_rewards(recipe)
 
     with servers(recipe, server_url, ref_url) as (generation_url, ref_model_url):
-        args = recipe.trainer_config(generation_url=generation_url, ref_model_url=ref_model_url)
+        args = recipe.trainer_config(generation_url=generation_url, ref_model_url=ref_model_url,
+                                     api_key=read_run_key(recipe, output_dir))
         trainer = RemoteGRPOTrainer(
             model=recipe.model.name_or_path, reward_funcs=reward_funcs, args=args, train_dataset=dataset
         )
@@ -75,6 +84,8 @@ def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str]
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(StepPrinter())
         trainer.train(resume_from_checkpoint=last_checkpoint)
+        if trainer.stop_signal.stopped_at is not None:
+            return trainer  # stopped by a signal: the checkpoint is the run's state, not a final model
         trainer.save_model(str(output_dir))
     logger.info("training finished: model saved to %s", output_dir)
     return trainer
@@ -98,6 +109,7 @@ def servers(recipe: Recipe, server_url: Optional[str], ref_url: Optional[str]) -
     given = {"generation": server_url or os.environ.get(SERVER_URL_ENV),
              "reference": ref_url or os.environ.get(REF_URL_ENV)}
     urls: dict[str, Optional[str]] = {}
+    embedded: list[str] = []
     with contextlib.ExitStack() as stack:
         for role, spec in recipe.servers.specs().items():
             urls[role] = given[role] or spec.url
@@ -108,12 +120,16 @@ def servers(recipe: Recipe, server_url: Optional[str], ref_url: Optional[str]) -
                         f"{recipe.path}), or pass --server-url/--ref-url, or set servers.{role}.url; only engine: builtin "
                         "starts an embedded server."
                     )
+                if not embedded:  # the first embedded server: a new key for this run
+                    write_run_key(recipe, Path(recipe.output_dir))
+                embedded.append(role)
                 urls[role] = stack.enter_context(embedded_server(recipe, role, spec)).url
         yield recipe.role_urls(urls.get("generation"), urls.get("reference"))
 
 
 def embedded_server(recipe: Recipe, role: str, spec: ServerSpec):
-    """A built-in server on this machine for `role` (`generation` or `reference`)."""
+    """A built-in server on this machine for `role` (`generation` or `reference`), holding the run's key (when it has
+    one) and reloading only the run's weight dumps."""
     from open_r1_ext.launch.local_server import BuiltinServer
 
     log = Path(recipe.output_dir) / f"{role}-server.log"
@@ -121,8 +137,11 @@ def embedded_server(recipe: Recipe, role: str, spec: ServerSpec):
     model_path = recipe.model_path(spec)
     logger.info("starting an embedded built-in %s server on %s (log: %s)", role, model_path, log)
     no_ref_slot = () if recipe.servers.ref_slot(role) else ("--no-ref-slot",)
+    key = key_file(Path(recipe.output_dir))
+    keyed = ("--config", str(key)) if key.is_file() else ()
     return BuiltinServer(model_path, log_path=str(log),
-                         extra_args=("--dtype", spec.dtype, *no_ref_slot, *map(str, spec.extra_args)))
+                         extra_args=("--dtype", spec.dtype, *no_ref_slot, "--weight-dirs", recipe.sync_dir, *keyed,
+                                     *map(str, spec.extra_args)))
 
 
 class StepPrinter(TrainerCallback):

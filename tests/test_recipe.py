@@ -237,7 +237,7 @@ def test_a_reference_server_listens_next_to_the_generation_server(tmp_path, tiny
     assert (plan.port("server"), plan.port("ref-server")) == (31000, 31001)
     assert plan.resources("ref-server").gpus_per_node == 0
     # the reference lives elsewhere, so neither built-in server holds a second copy of the model
-    assert all(shell_join(plan.server_command(role, node, head)).endswith(f"--port {plan.port(role)} --dtype float32 --no-ref-slot")
+    assert all(f"--port {plan.port(role)} --dtype float32 --no-ref-slot --weight-dirs" in shell_join(plan.server_command(role, node, head))
                for role in ("server", "ref-server"))
     plan = SlurmPlan(load_recipe(path, ["servers.reference.port=32000"]))
     assert plan.port("ref-server") == 32000

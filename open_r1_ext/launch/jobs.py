@@ -8,7 +8,6 @@ from `submitit.JobEnvironment()`. Jobs meet through the run directory's files (`
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
@@ -21,6 +20,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, SUBMITIT, TRAINER, RunFiles, SlurmPlan,
                                            argv, role_var)
+from open_r1_ext.launch.local_server import die_with_parent
+from open_r1_ext.launch.run_key import write_run_key
 from open_r1_ext.sglang_client import SGLangClient
 
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"  # serve.slurm and train.slurm, submitted by `submit`
@@ -29,6 +30,9 @@ SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"  # serve.slurm and tra
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                  "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "UNKNOWN"}
 SIGTERM_EXIT = 128 + signal.SIGTERM  # how a job stopped by scancel, a time limit or Ctrl-C exits
+# how long a stopped job waits for its trainer to save the checkpoint of the step in flight (SLURM's KillWait, 30 s by
+# default, may end it sooner with SIGKILL); a server gets the short default
+TRAINER_STOP_GRACE_S = 120.0
 Echo = Callable[[str], None]
 
 
@@ -186,9 +190,12 @@ def record(files: RunFiles, message: str, echo: Echo = log) -> None:
     echo(message)
 
 
-def prepare_run_dir(plan: SlurmPlan) -> None:
-    """The run directory with its logs folder, without the addresses and job ids of an earlier launch."""
+def prepare_run_dir(plan: SlurmPlan, echo: Echo = log) -> None:
+    """The run directory with its logs folder (owner-only: SGLang logs its arguments, the key among them), without
+    the addresses and job ids of an earlier launch, and with this launch's API key (`run_key.py`)."""
     plan.files.logs.mkdir(parents=True, exist_ok=True)
+    plan.files.logs.chmod(0o700)
+    write_run_key(plan.recipe, plan.files.run_dir, warn=echo)
     for role in plan.server_roles:
         plan.files.addr(role).unlink(missing_ok=True)
     plan.files.jobs.unlink(missing_ok=True)
@@ -271,10 +278,6 @@ def start_on_nodes(plan: SlurmPlan, role: str, ctx: JobContext,
 
 def _spawn(cmd: list[str]) -> subprocess.Popen:
     """A child that is sent SIGTERM if this job process dies, even by SIGKILL: nothing outlives its job."""
-
-    def die_with_parent() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
     log("+ " + " ".join(cmd))
     return subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=die_with_parent)
 
@@ -401,7 +404,7 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
     except LaunchError as err:
         echo(str(err))
     finally:
-        _stop(process)
+        _stop(process, TRAINER_STOP_GRACE_S)
         if lead:
             end_run(plan, ctx, me, code, servers, urls, watch, echo)
     return code

@@ -5,16 +5,23 @@ Used by `make demo`, the local launcher and the tests: `with BuiltinServer(model
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 from open_r1_ext.sglang_client import SGLangClient, ServerError
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: SIGTERM when the parent thread that started it ends (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,9 +61,14 @@ class BuiltinServer:
                 "--host", self.host, "--port", str(self.port), "--log-level", "warning", *self.extra_args]
 
     def start(self) -> "BuiltinServer":
+        """Start the server and wait for /health. Started from the main thread, the server gets SIGTERM when this
+        process dies, however it dies (even SIGKILL): an embedded server never outlives its trainer. (From another
+        thread it would die with that thread, so there it is left to `stop()`.)"""
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                        preexec_fn=die_with_parent if on_main_thread else None)
         client = SGLangClient(self.url)
         deadline = time.monotonic() + self.startup_timeout
         where = f"; see {self.log_path}" if self.log_path else ""

@@ -210,6 +210,13 @@ class Recipe(Section):
     def output_dir(self) -> str:
         return self.trainer["output_dir"]
 
+    @property
+    def sync_dir(self) -> str:
+        """Where the trainer writes its weight dumps (the config's `sync_dir`, default `<output_dir>/weights`), as an
+        absolute path from the directory launched in: what servers are allowed to reload (`--weight-dirs`)."""
+        placeholder = "http://placeholder:0"  # the config wants server URLs; only its sync_dir is read here
+        return str(Path(self.trainer_config(placeholder, placeholder, on_this_machine=False).sync_dir).resolve())
+
     def model_path(self, spec: ServerSpec) -> str:
         """What a server loads: its spec's `model_path`, else the policy."""
         return spec.model_path or self.model.name_or_path
@@ -228,9 +235,10 @@ class Recipe(Section):
         return generation_url, ref_url if isinstance(reference, ServerSpec) else None
 
     def trainer_config(self, generation_url: Optional[str] = None, ref_model_url: Optional[str] = None,
-                       on_this_machine: bool = True):
-        """The `RemoteGRPOConfig` of this run, with the servers' URLs filled in. `on_this_machine=False` (validation
-        on a login node) leaves out the settings transformers checks against the local hardware (bf16, fp16, tf32)."""
+                       on_this_machine: bool = True, api_key: Optional[str] = None):
+        """The `RemoteGRPOConfig` of this run, with the servers' URLs and API key (`launch.run_key.read_run_key`) filled
+        in. `on_this_machine=False` (validation on a login node) leaves out the settings transformers checks against
+        the local hardware (bf16, fp16, tf32)."""
         from open_r1_ext.trainer.config import RemoteGRPOConfig
 
         kwargs = dict(self.trainer, **self.sync)
@@ -244,8 +252,8 @@ class Recipe(Section):
             kwargs["generation_backend"] = "openai" if generation.engine == "openai" else "sglang"
         if self.servers.reference not in ("local", "none") and self.setting("beta") != 0.0:
             kwargs["ref_model_url"] = ref_model_url
-        if self.servers.api_key:
-            kwargs.setdefault("server_api_key", self.servers.api_key)
+        if api_key:
+            kwargs.setdefault("server_api_key", api_key)
         return RemoteGRPOConfig(**kwargs)
 
     def model_init_kwargs(self) -> dict:

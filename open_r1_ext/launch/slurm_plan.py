@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence, Union
 
 from open_r1_ext.launch.recipe import Recipe, Resources, ServerSpec
+from open_r1_ext.launch.run_key import key_file, uses_key
 
 SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
 SERVER_ROLES = {SERVER: "generation", REF_SERVER: "reference"}  # a server job's role in the recipe's `servers:`
@@ -225,8 +226,10 @@ class SlurmPlan:
         else:
             cmd = [sys.executable, "-m", "open_r1_ext.server", *common, "--dtype", server.dtype]
             cmd += [] if self.recipe.servers.ref_slot(SERVER_ROLES[role]) else ["--no-ref-slot"]
-        if self.recipe.servers.api_key:
-            cmd += ["--api-key", self.recipe.servers.api_key]
+        if server.engine == "builtin":  # /update_weights_from_disk reads only this run's dumps (SGLang has no such flag)
+            cmd += ["--weight-dirs", self.recipe.sync_dir]
+        if uses_key(self.recipe):  # the run's key, from its owner-only file: never on the command line (run_key.py)
+            cmd += ["--config", key_file(self.files.run_dir)]
         return cmd + [str(a) for a in server.extra_args]
 
     def trainer_command(self, node_rank: Union[int, ShellVar], main_addr: Union[str, ShellVar],

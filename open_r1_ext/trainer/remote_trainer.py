@@ -20,6 +20,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from open_r1_ext.sglang_client import ServerError, SGLangClient
 from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.trainer.generation import remote_generation, server_client
+from open_r1_ext.trainer.stop_signal import StopOnSignal
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
             self._use_importance_sampling(args.vllm_importance_sampling_correction)
         self._check_servers()
         self.add_callback(WeightSyncCallback(self))
+        self.stop_signal = StopOnSignal(self.accelerator)  # SIGTERM: checkpoint at the end of the step, then stop
+        self.add_callback(self.stop_signal)
 
     # ----------------------------------------------------------------- set-up
     def _use_importance_sampling(self, enabled: bool) -> None:
@@ -172,6 +175,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
         # another in a process can still be collected.
         gc.collect()
         gc.freeze()
+        self.stop_signal.install()
         try:
             result = super().train(*args, **kwargs)
         except ServerError as err:
@@ -182,6 +186,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
             )
             raise
         finally:
+            self.stop_signal.uninstall()
             gc.unfreeze()
             if self.remote_generation is not None:
                 self.remote_generation.close()

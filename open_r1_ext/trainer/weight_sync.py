@@ -104,6 +104,7 @@ class WeightSync:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open_r1_ext-weight-seal")
         self._pending: list[Future] = []
         self._seals: dict[Path, Future] = {}  # the seals still running, for `repush`
+        self._logged: Optional[set[tuple[int, str]]] = None  # (step, role) in the log, read once by the first seal
 
     # ------------------------------------------------------------ collective
     def sync(self, model, step: int, targets: list[SyncTarget]) -> Optional[str]:
@@ -244,10 +245,15 @@ class WeightSync:
     def _seal_log_and_prune(self, step: int, path: Path, confirmed: list[tuple[str, Optional[str]]]) -> None:
         seal_weight_dir(path)  # on an error the sync stays unlogged; `wait_durable` raises it
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._logged is None:  # a resumed run syncs its checkpoint's step again: the log names each step once
+            lines = self.log_path.read_text().splitlines() if self.log_path.is_file() else []
+            self._logged = {(e["step"], e["role"]) for e in map(json.loads, filter(str.strip, lines))}
         with open(self.log_path, "a") as log:
             for role, version in confirmed:
-                log.write(json.dumps({"step": step, "role": role, "path": str(path),
-                                      "weight_version": version, "time": round(time.time(), 3)}) + "\n")
+                if (step, role) not in self._logged:
+                    self._logged.add((step, role))
+                    log.write(json.dumps({"step": step, "role": role, "path": str(path),
+                                          "weight_version": version, "time": round(time.time(), 3)}) + "\n")
         self.prune()
 
     def last_logged(self, role: str) -> Optional[dict]:

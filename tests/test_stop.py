@@ -1,0 +1,137 @@
+"""How a training process ends when it is told to: SIGTERM (SLURM's time limit, scancel) saves a checkpoint of the
+last finished step and stops; the same command resumes from it with no step redone; the embedded built-in server
+never outlives its trainer, even one killed with SIGKILL. Real processes, the real tiny model."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+from open_r1_ext.launch.jobs import SIGTERM_EXIT
+from open_r1_ext.launch.run_key import key_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_recipe(tmp_path: Path, tiny_model: Path, **trainer) -> Path:
+    raw = yaml.safe_load((REPO / "recipes/tiny/grpo.yaml").read_text())
+    raw["model"]["name_or_path"] = str(tiny_model)
+    raw["data"]["dataset"] = str(REPO / raw["data"]["dataset"])
+    raw["trainer"].update(output_dir=str(tmp_path / "run"), save_strategy="no", **trainer)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def start_training(recipe: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "open_r1_ext.train", "--config", str(recipe), *overrides],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def step_lines(process: subprocess.Popen, until_step: int) -> list[int]:
+    """The steps the trainer prints (`step   3/30  reward ...`), read until `until_step` (or its end)."""
+    steps = []
+    for line in process.stdout:
+        if line.startswith("step "):
+            steps.append(int(line.split()[1].split("/")[0]))
+            if steps[-1] >= until_step:
+                break
+    return steps
+
+
+def children(pid: int, name: str) -> list[int]:
+    """The child processes of `pid` whose command line holds `name`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and name.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def gone(pid: int, within_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def check_embedded_server_wants_the_run_key(pid: int, run: Path) -> None:
+    """The embedded server holds this run's key (from the owner-only file, not its command line) and reloads only
+    the run's dumps."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    key = yaml.safe_load(key_file(run).read_text())["api-key"]
+    assert stat.S_IMODE(key_file(run).stat().st_mode) == 0o600 and key.encode() not in b" ".join(cmdline)
+    assert cmdline[cmdline.index(b"--weight-dirs") + 1] == str(run / "weights").encode()
+    url = f"http://127.0.0.1:{cmdline[cmdline.index(b'--port') + 1].decode()}"
+    assert requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(run)}, timeout=10).status_code == 401
+    assert requests.get(f"{url}/get_model_info", headers={"Authorization": f"Bearer {key}"}, timeout=10).ok
+
+
+def test_sigterm_saves_a_checkpoint_stops_the_server_and_resume_redoes_no_step(tmp_path, tiny_model):
+    recipe = tiny_recipe(tmp_path, tiny_model, max_steps=40)
+    run = tmp_path / "run"
+    trainer = start_training(recipe)
+    try:
+        seen = step_lines(trainer, until_step=2)
+        assert seen[-1:] == [2], trainer.stderr.read() if trainer.poll() is not None else seen
+        servers = children(trainer.pid, "open_r1_ext.server")
+        assert len(servers) == 1
+        check_embedded_server_wants_the_run_key(servers[0], run)
+        trainer.send_signal(signal.SIGTERM)
+        seen += step_lines(trainer, until_step=10**6)
+        code, err = trainer.wait(timeout=120), trainer.stderr.read()
+    finally:
+        trainer.kill()
+    stopped = seen[-1]
+    assert code == SIGTERM_EXIT, err[-3000:]
+    assert f"SIGTERM: stopped after step {stopped} with a checkpoint in {run}/checkpoint-{stopped}" in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == [f"checkpoint-{stopped}"]
+    assert gone(servers[0]), "the embedded server outlived its trainer"
+    assert not (run / "model.safetensors").exists()  # stopped: no final model written as if training had finished
+
+    resumed = start_training(recipe, f"--set=trainer.max_steps={stopped + 2}")
+    try:
+        after = step_lines(resumed, until_step=10**6)
+        code, err = resumed.wait(timeout=300), resumed.stderr.read()
+    finally:
+        resumed.kill()
+    assert code == 0, err[-3000:]
+    assert f"resuming from {run}/checkpoint-{stopped}" in err
+    assert after == [stopped + 1, stopped + 2]  # no step redone, none skipped
+    logged = [(e["step"], e["role"]) for e in map(json.loads, (run / "weight_sync.jsonl").read_text().splitlines())]
+    assert len(logged) == len(set(logged)), logged  # no step logged twice across the resume
+    assert (run / "model.safetensors").exists()
+
+
+def test_an_embedded_server_dies_with_a_killed_trainer(tmp_path, tiny_model):
+    """SIGKILL leaves no chance to clean up: the server still goes, by the kernel's parent-death signal."""
+    starter = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from open_r1_ext.launch.local_server import BuiltinServer; "
+                               "BuiltinServer(sys.argv[1]).start(); print('up', flush=True); time.sleep(600)",
+         str(tiny_model)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert starter.stdout.readline().strip() == "up"
+        servers = children(starter.pid, "open_r1_ext.server")
+        assert len(servers) == 1
+        os.kill(starter.pid, signal.SIGKILL)
+        assert gone(servers[0]), "the built-in server outlived the process that started it"
+    finally:
+        starter.kill()

@@ -145,13 +145,17 @@ def embedded_server(recipe: Recipe, role: str, spec: ServerSpec):
 
 
 class StepPrinter(TrainerCallback):
-    """One line per logged step: reward, KL and loss, for humans watching a terminal or a SLURM log."""
+    """One line per logged step: reward, KL, loss and where the step's time went, for humans watching a terminal or
+    a SLURM log."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        from open_r1_ext.trainer.step_timing import describe_step_time
+
         if not state.is_world_process_zero or not logs or "reward" not in logs:
             return
         extras = "".join(f"  {k} {logs[k]:.4f}" for k in ("kl", "loss") if k in logs)
-        print(f"step {state.global_step:>4}/{state.max_steps}  reward {logs['reward']:.4f}{extras}", flush=True)
+        print(f"step {state.global_step:>4}/{state.max_steps}  reward {logs['reward']:.4f}{extras}"
+              f"{describe_step_time(logs)}", flush=True)
 
 
 if __name__ == "__main__":

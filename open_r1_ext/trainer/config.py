@@ -35,6 +35,11 @@ class RemoteGRPOConfig(GRPOConfig):
             model. When set and `beta > 0`, the trainer builds no reference model: per-token reference log-probs of
             prompt + completion come from the server. SGLang returns these log-probs at temperature 1 (unscaled);
             TRL scales its local reference by `temperature`, so the two agree exactly at `temperature=1.0`.
+        prefetch_reference (`bool`, *optional*, defaults to `True`):
+            Send a batch's reference request the moment its completions exist (right after generation; with
+            `async_generation`, on the rollout thread), so the server scores it while the trainer computes its own
+            log-probs and the rewards, and collect the answer after the rewards. A prefetch made before a reference
+            reload is discarded and asked again. `False` sends the request when TRL's reference hook asks for it.
 
         > Remote generation
 
@@ -95,6 +100,11 @@ class RemoteGRPOConfig(GRPOConfig):
     ref_model_url: Optional[str] = field(
         default=None,
         metadata={"help": "Base URL of the SGLang-protocol server hosting the reference model; no local reference is built."},
+    )
+    prefetch_reference: bool = field(
+        default=True,
+        metadata={"help": "Send each batch's reference request as soon as its completions exist (overlapped with the "
+                          "trainer's own log-probs and rewards)."},
     )
     generation_url: Optional[str] = field(
         default=None,

@@ -124,12 +124,14 @@ class RemoteGeneration:
         sampling = self._sampling_params()
 
         def generate() -> list[Completion]:
-            completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
-            target = self.target
-            if target is not None and any(version_number(c.weight_version) < version_number(target.version)
-                                          for c in completions if c.weight_version is not None):
-                self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
+            with self.trainer.step_timer.part("generate"):  # async: on the rollout thread, beside the step
                 completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
+                target = self.target
+                if target is not None and any(version_number(c.weight_version) < version_number(target.version)
+                                              for c in completions if c.weight_version is not None):
+                    self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
+                    completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
+            self.trainer.prefetch_reference(prompt_ids, [c.token_ids for c in completions])
             return completions
 
         return generate

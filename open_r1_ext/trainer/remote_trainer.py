@@ -1,12 +1,15 @@
 """`RemoteGRPOTrainer`: TRL's `GRPOTrainer` with the reference model and generation on a remote server.
 
 It overrides narrow hooks of trl 1.16.0 and copies none of its loop: `_get_per_token_logps_and_entropies` takes
-the reference's log-probs from the server; `_generate_single_turn`, `get_batch_samples` and a callback after each
-optimizer step call the remote generation object (`generation.py`: generation, look-ahead, weight sync targets).
+the reference's log-probs from the server (requested ahead by `reference_prefetch.py` once the completions exist,
+collected after the rewards); `_generate_single_turn`, `get_batch_samples` and a callback after each optimizer step
+call the remote generation object (`generation.py`: generation, look-ahead, weight sync targets). Each step's time
+is split into parts (`step_timing.py`) and logged with TRL's metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from pathlib import Path
@@ -20,6 +23,8 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from open_r1_ext.sglang_client import ServerError, SGLangClient
 from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.trainer.generation import remote_generation, server_client
+from open_r1_ext.trainer.reference_prefetch import ReferencePrefetch
+from open_r1_ext.trainer.step_timing import PARTS, StepTimer, StepTimingCallback
 from open_r1_ext.trainer.stop_signal import StopOnSignal
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
 
@@ -74,6 +79,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
         finally:
             args.beta, args.sync_ref_model = beta, sync_ref_model
         self.beta = beta
+        self.step_timer = StepTimer(PARTS)  # its parts are narrowed to this run's once the servers are known
 
         self.weight_sync = WeightSync(self.accelerator, args.sync_dir, args.keep_last_dumps,
                                       f"{args.output_dir}/weight_sync.jsonl", targets=[])
@@ -89,11 +95,18 @@ class RemoteGRPOTrainer(GRPOTrainer):
             if sync_ref_model:
                 self.reference_target = SyncTarget("reference", self.ref_client, mixup_alpha=args.ref_model_mixup_alpha)
                 self.weight_sync.targets.append(self.reference_target)
+        self.reference_prefetch = None
+        if remote_reference and args.prefetch_reference:
+            # unclaimed prefetches kept: the batches read ahead, the one training, one of an evaluation
+            self.reference_prefetch = ReferencePrefetch(self.ref_client, self.step_timer.part,
+                                                        depth=args.max_weight_staleness + 2)
+        self._deferred_reference = None  # see _generate_and_score_completions
         self.remote_generation = remote_generation(self, self.weight_sync)
         if self.remote_generation is not None:
             self._use_importance_sampling(args.vllm_importance_sampling_correction)
         self._check_servers()
         self.add_callback(WeightSyncCallback(self))
+        self._time_steps(remote_reference)
         self.stop_signal = StopOnSignal(self.accelerator)  # SIGTERM: checkpoint at the end of the step, then stop
         self.add_callback(self.stop_signal)
 
@@ -119,13 +132,71 @@ class RemoteGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ hooks
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if isinstance(model, RemoteReference):
-            self._ensure_reference_weights()
-            return remote_completion_logps(model.client, input_ids, attention_mask, logits_to_keep), None, None
+            if self._deferred_reference is not None:  # collected once the rewards are computed: a placeholder now
+                placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
+                self._deferred_reference.append((placeholder, input_ids, attention_mask, logits_to_keep))
+                return placeholder, None, None
+            return self._reference_logps(input_ids, attention_mask, logits_to_keep), None, None
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's, with the remote reference collected last: TRL asks for it before computing the rewards and uses it
+        only in the batch it returns, so the prefetched request runs on the server through both the trainer's own
+        log-probs and the rewards. The hook hands TRL a NaN placeholder, replaced here (checked to be untouched)."""
+        if self.reference_prefetch is None:
+            return super()._generate_and_score_completions(inputs)
+        self._deferred_reference = []
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            deferred = self._deferred_reference
+        finally:
+            self._deferred_reference = None
+        for placeholder, input_ids, attention_mask, logits_to_keep in deferred:
+            if output.get("ref_per_token_logps") is not placeholder:
+                raise RuntimeError("TRL did not return the reference log-probs it asked for as they were: this trl "
+                                   "version does not fit RemoteGRPOTrainer (set prefetch_reference=False)")
+            output["ref_per_token_logps"] = self._reference_logps(input_ids, attention_mask, logits_to_keep)
+        return output
+
+    def _reference_logps(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+        """The reference server's log-probs in TRL's layout: prefetched when a prefetch for these sequences is still
+        valid, else asked now (after making sure the server holds the right reference)."""
+        with self.step_timer.part("reference_wait"):
+            sequences = reference_sequences(input_ids, attention_mask)
+            if self.reference_prefetch is not None:
+                scored = self.reference_prefetch.collect(sequences, self._ensure_reference_weights)
+            else:
+                self._ensure_reference_weights()
+                scored = self.ref_client.ref_logprobs(sequences)
+        return completion_logps(scored, input_ids, attention_mask, logits_to_keep)
+
+    def prefetch_reference(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
+        """Send the reference request of a batch whose completions just came back (the generation's thread): the
+        sequences TRL will score, each prompt + completion (the prompt alone for a truncated completion under
+        `mask_truncated_completions`). Not with tools or a `rollout_func`: their turns change the completions."""
+        if self.reference_prefetch is None or self.tools or self.rollout_func is not None:
+            return
+        with self.step_timer.part("reference_send"):
+            stops = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+            masked = self.mask_truncated_completions
+            self.reference_prefetch.send([list(prompt) + ([] if masked and (not ids or ids[-1] not in stops) else list(ids))
+                                          for prompt, ids in zip(prompt_ids, completion_ids)])
+
+    def _calculate_rewards(self, *args, **kwargs):
+        with self.step_timer.part("rewards"):
+            return super()._calculate_rewards(*args, **kwargs)
+
+    def training_step(self, *args, **kwargs):
+        with self.step_timer.part("train"):  # less what is timed inside: generation, reference, rewards
+            return super().training_step(*args, **kwargs)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.remote_generation is None:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            with self.step_timer.part("generate"):
+                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                         num_generations, has_tool_images)
+            self.prefetch_reference(prompt_ids, completion_ids)
+            return completion_ids, logprobs
         if images:
             raise ValueError("remote generation (generation_url) serves text prompts only")
         completions = self.remote_generation.generate(prompt_ids, num_generations)
@@ -145,10 +216,15 @@ class RemoteGRPOTrainer(GRPOTrainer):
     def sync_weights(self, generation_due: bool, references: list[SyncTarget]) -> None:
         """Dump the policy; the generation server (when due) and the `references` reload it (every rank calls this)."""
         step = self.state.global_step
-        if generation_due:
-            self.remote_generation.sync_weights(step, references)
-        elif references and (error := self.weight_sync.sync(self.model, step, references)) is not None:
-            raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
+        with self._reference_reloading() if references else contextlib.nullcontext():
+            if generation_due:
+                self.remote_generation.sync_weights(step, references)
+            elif references and (error := self.weight_sync.sync(self.model, step, references)) is not None:
+                raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
+
+    def _reference_reloading(self):
+        """Around a reload of the reference server: reference requests prefetched before it are not used after it."""
+        return self.reference_prefetch.reloading() if self.reference_prefetch is not None else contextlib.nullcontext()
 
     def sync_local_reference(self) -> None:
         model = self.accelerator.unwrap_model(self.model)
@@ -165,7 +241,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
                 return
             target.path, target.version, target.step = Path(entry["path"]), entry["weight_version"], entry["step"]
         if target.client.weight_version() != target.version:
-            self.weight_sync.repush(target)
+            with self._reference_reloading():
+                self.weight_sync.repush(target)
 
     # ------------------------------------------------------------- lifecycle
     def train(self, *args, **kwargs):
@@ -190,6 +267,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
             gc.unfreeze()
             if self.remote_generation is not None:
                 self.remote_generation.close()
+            if self.reference_prefetch is not None:
+                self.reference_prefetch.close()
         self.weight_sync.wait_durable()  # the last dumps on disk and their syncs logged before train() returns
         return result
 
@@ -245,10 +324,22 @@ def remote_completion_logps(client: SGLangClient, input_ids: torch.Tensor, atten
     before it)`, and 0 where the column is padding or the row's first token (as TRL's fused LM head gives for
     masked labels). Tensor operations throughout: no Python step per row and position.
     """
+    scored = client.ref_logprobs(reference_sequences(input_ids, attention_mask))
+    return completion_logps(scored, input_ids, attention_mask, logits_to_keep)
+
+
+def reference_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Each row of TRL's padded batch without its padding: what the reference server scores."""
+    ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
+    return [row.tolist() for row in ids[mask].split(mask.sum(dim=1).tolist())]
+
+
+def completion_logps(scored: list[torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     logits_to_keep: int) -> torch.Tensor:
+    """The server's answer for `reference_sequences(input_ids, attention_mask)` (row r: the log-probs of its unpadded
+    tokens 1 .. length - 1) laid out as `remote_completion_logps` describes."""
     ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
     lengths = mask.sum(dim=1)
-    sequences = [row.tolist() for row in ids[mask].split(lengths.tolist())]
-    scored = client.ref_logprobs(sequences)  # row r: log-probs of its unpadded tokens 1 .. lengths[r] - 1
     rows, width = ids.shape
     # table[r, p]: the log-prob of row r's p-th unpadded token (p >= 1; column 0 stays 0)
     table = torch.zeros((rows, width), dtype=torch.float32)

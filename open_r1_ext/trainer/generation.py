@@ -196,7 +196,8 @@ class AsyncRemoteGeneration(RemoteGeneration):
         if announced is None:  # not read ahead (e.g. the first batch after a resume, or eval): generate it now, in order
             self.ensure_weights()
             announced = self.rollouts.submit(self._job(prompt_ids, num_generations, self._seeds(len(prompt_ids))))
-        completions = announced.result()
+        with self.trainer.step_timer.part("rollout_wait"):
+            completions = announced.result()
         self._log_rollout(completions)
         return completions
 

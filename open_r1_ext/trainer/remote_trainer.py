@@ -129,6 +129,23 @@ class RemoteGRPOTrainer(GRPOTrainer):
             if mismatch:
                 raise ValueError(f"The {role} server at {client.base_url} serves another model than the trainer's: {mismatch}")
 
+    def _time_steps(self, remote_reference: bool) -> None:
+        """Log each step's parts (`step_timing.py`): those this run can have. Weight sync is timed around the calls
+        of `self.weight_sync` (it knows nothing of steps): the dump, the servers' reloads, the wait for the last seal."""
+        asynchronous = self.args.async_generation
+        absent = {"rollout_wait" if not asynchronous else "generate"}
+        if not remote_reference:
+            absent |= {"reference_send", "reference_wait"}
+        elif self.reference_prefetch is None or asynchronous:
+            absent.add("reference_send")  # sent from TRL's hook, or from the rollout thread
+        if not self.weight_sync.targets:
+            absent |= {"dump", "reload_wait", "seal_wait"}
+        self.step_timer.parts = tuple(part for part in PARTS if part not in absent)
+        for method, part in (("dump", "dump"), ("publish", "reload_wait"), ("repush", "reload_wait"),
+                             ("wait_durable", "seal_wait")):
+            self.step_timer.time_calls(self.weight_sync, method, part)
+        self.add_callback(StepTimingCallback(self))
+
     # ------------------------------------------------------------------ hooks
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if isinstance(model, RemoteReference):

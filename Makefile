@@ -20,8 +20,13 @@ tiny-model: $(TINY_MODEL)/config.json
 $(TINY_MODEL)/config.json: tools/make_tiny_model.py tools/data/tiny_corpus.txt | venv
 	$(PY) tools/make_tiny_model.py $(TINY_MODEL) --seed 0
 
+# A fresh run each time (an old runs/demo would be resumed at its last step), then its plot.
 demo: venv tiny-model
+	rm -rf runs/demo
 	$(PY) -m open_r1_ext.train --config recipes/tiny/grpo.yaml --set trainer.output_dir=runs/demo
+	$(PY) -m open_r1_ext.cli plot runs/demo
+	@echo "run directory: runs/demo  (look at it: .venv/bin/open-r1-ext status runs/demo)"
+	@echo "plot:          runs/demo/plot.png"
 
 test: venv tiny-model
 	$(PY) -m pytest -q tests

@@ -5,6 +5,8 @@
     open-r1-ext new-recipe --from RECIPE --model ORG/NAME OUT
     open-r1-ext serve --model-path DIR [--port P ...]        (the built-in server)
     open-r1-ext launch RECIPE [--set ...] [--executor slurm|local] [--dry-run]
+    open-r1-ext status RUN_DIR [--json] [--watch SECONDS]
+    open-r1-ext plot RUN_DIR [-o FILE.png]
 
 Each subcommand imports only what it needs, so `validate` answers in seconds.
 """
@@ -111,6 +113,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from open_r1_ext.launch import run_status
+
+    return run_status.main(args.run_dir, as_json=args.json, watch=args.watch)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from open_r1_ext.launch import run_plot
+
+    return run_plot.main(args.run_dir, args.output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="open-r1-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="slurm: sbatch jobs; local: the same jobs as processes on this machine")
     launch.add_argument("--dry-run", action="store_true", help="print both jobs' parameters and commands; submit nothing")
     launch.set_defaults(func=cmd_launch)
+
+    status = sub.add_parser("status", help="a run's jobs, servers, progress, last sync and events, from its run directory")
+    status.add_argument("run_dir", help="the run directory (the recipe's trainer.output_dir)")
+    status.add_argument("--json", action="store_true", help="one JSON object (see the README for its keys)")
+    status.add_argument("--watch", type=float, metavar="SECONDS", help="again every SECONDS until the run has ended")
+    status.set_defaults(func=cmd_status)
+
+    plot = sub.add_parser("plot", help="one PNG of a run: reward, KL, loss, step time, sync time and staleness")
+    plot.add_argument("run_dir", help="the run directory (the recipe's trainer.output_dir)")
+    plot.add_argument("-o", "--output", metavar="FILE.png", help="where to write it (default: RUN_DIR/plot.png)")
+    plot.set_defaults(func=cmd_plot)
 
     serve = sub.add_parser("serve", help="the built-in server (same flags as python -m open_r1_ext.server)", add_help=False)
     serve.set_defaults(func=cmd_serve)

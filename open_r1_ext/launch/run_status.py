@@ -1,0 +1,275 @@
+"""`open-r1-ext status RUN_DIR`: the state of a run, from its run directory, while it runs and after it ended.
+
+Reads what the jobs and the trainer write there (jobs.env, <role>.addr, status.log, metrics.jsonl, weight_sync.jsonl,
+rollouts.jsonl), asks SLURM for the jobs' states (one squeue call, `jobs.slurm_states`) and each server for its
+health and weight version. Imports no TRL: it runs on a login node. `run_metrics` is also what `plot` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+from open_r1_ext.launch.slurm_plan import TRAINER, RunFiles
+
+METRICS_FILE = "metrics.jsonl"  # one JSON object per trainer log (open_r1_ext.train.MetricsLog writes it)
+SCHEMA_VERSION = 1  # of `--json`; bumped only when a documented key changes meaning or goes away
+EVENTS_SHOWN = 8
+RATE_WINDOW = 10  # steps/s over the last this many logged steps
+HEALTH_TIMEOUT_S = 3.0
+JOB_VAR = re.compile(r"^([A-Z_]+)_JOB$")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The entries of a JSONL file the trainer appends to; a line cut short by a writer mid-append is skipped."""
+    if not path.is_file():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            continue
+    return entries
+
+
+def run_metrics(run_dir: Path) -> tuple[list[dict], Optional[dict]]:
+    """`(steps, summary)`: the trainer's logged metrics, one dict per step (a resumed run's repeated steps keep their
+    latest values), and the end-of-training summary (`train_runtime`, ...) when training has finished.
+
+    From `metrics.jsonl` (runs started with `open-r1-ext train`), else the `log_history` of the newest
+    `trainer_state.json` (written with each checkpoint: no times, so no steps/s).
+    """
+    entries = read_jsonl(run_dir / METRICS_FILE)
+    if not entries:
+        states = sorted(run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+        states += [run_dir / "trainer_state.json"] if (run_dir / "trainer_state.json").is_file() else []
+        if states:
+            state = json.loads(states[-1].read_text())
+            entries = [dict(entry, max_steps=state.get("max_steps")) for entry in state.get("log_history", [])]
+    by_step: dict[int, dict] = {}
+    summary = None
+    for entry in entries:
+        if "train_runtime" in entry:
+            summary = entry
+        elif "step" in entry:
+            by_step[entry["step"]] = entry
+            summary = None  # a resumed run after a finished one is running again
+    return [by_step[step] for step in sorted(by_step)], summary
+
+
+# ----------------------------------------------------------------------------------------- parts
+def read_jobs(files: RunFiles) -> list[dict]:
+    """The run's jobs from jobs.env, servers first, each `{role, job_id, executor, state}`: SLURM's state (one
+    squeue call for all, as the jobs watch each other; `GONE` once SLURM has forgotten the job), or a local
+    executor's `RUNNING`/`ENDED`. Empty before a launcher wrote jobs.env."""
+    from open_r1_ext.launch.jobs import JobRef, JobWatch
+
+    if not files.jobs.is_file():
+        return []
+    values = dict(line.split("=", 1) for line in files.jobs.read_text().splitlines() if "=" in line)
+    refs = [JobRef(match.group(1).lower().replace("_", "-"), value, values.get("EXECUTOR", "slurm"))
+            for key, value in values.items() if (match := JOB_VAR.match(key))]
+    watch = JobWatch(refs)
+    return [{"role": ref.role, "job_id": ref.job_id, "executor": ref.executor, "state": watch.state(ref)} for ref in refs]
+
+
+def server_urls(files: RunFiles, roles: list[str], events: list[dict]) -> dict[str, Optional[str]]:
+    """Each server role's URL: its `<role>.addr` (written once healthy), else the last `healthy at URL` event in
+    status.log (the address file goes when the server stops), else None (it never became healthy)."""
+    urls: dict[str, Optional[str]] = {}
+    for role in roles:
+        addr = files.addr(role)
+        urls[role] = f"http://{addr.read_text().strip()}" if addr.is_file() else None
+        for event in events:
+            match = re.match(rf"{re.escape(role)} job \S+: healthy at (http://\S+)", event["message"])
+            if match and not addr.is_file():
+                urls[role] = match.group(1)
+    return urls
+
+
+def run_api_key(files: RunFiles) -> Optional[str]:
+    """The key the run's servers require (the launchers' owner-only key file in the run directory), if any."""
+    import yaml
+
+    from open_r1_ext.launch.run_key import FLAG, key_file
+
+    path = key_file(files.run_dir)
+    return yaml.safe_load(path.read_text())[FLAG] if path.is_file() else None
+
+
+def probe_server(role: str, url: Optional[str], api_key: Optional[str]) -> dict:
+    """`{role, url, healthy, weight_version, error}`: /health, then the weight version the server reports."""
+    from open_r1_ext.sglang_client import ServerError, SGLangClient
+
+    server: dict[str, Any] = {"role": role, "url": url, "healthy": False, "weight_version": None, "error": None}
+    if url is None:
+        server["error"] = "no address: the server never became healthy"
+        return server
+    client = SGLangClient(url, api_key=api_key, request_timeout=HEALTH_TIMEOUT_S, max_retries=0)
+    server["healthy"] = client.is_healthy(timeout=HEALTH_TIMEOUT_S)
+    if not server["healthy"]:
+        server["error"] = f"{url}/health does not answer"
+        return server
+    try:
+        server["weight_version"] = client.weight_version()
+    except ServerError as err:
+        server["error"] = str(err)
+    return server
+
+
+def read_events(files: RunFiles) -> list[dict]:
+    """status.log as `[{at, message}]` (each line `<ISO time> <message>`)."""
+    if not files.status.is_file():
+        return []
+    events = []
+    for line in files.status.read_text().splitlines():
+        at, _, message = line.partition(" ")
+        events.append({"at": at, "message": message})
+    return events
+
+
+def trainer_progress(run_dir: Path) -> Optional[dict]:
+    """Step / max, steps per second over the last logged steps, ETA, last reward, KL and loss."""
+    steps, summary = run_metrics(run_dir)
+    now = time.time()  # after the read: a step logged meanwhile is not in the future
+    if not steps:
+        return None
+    last = steps[-1]
+    timed = [s for s in steps[-RATE_WINDOW:] if "time" in s]
+    rate = None
+    if len(timed) >= 2 and timed[-1]["time"] > timed[0]["time"]:
+        rate = (timed[-1]["step"] - timed[0]["step"]) / (timed[-1]["time"] - timed[0]["time"])
+    max_steps = last.get("max_steps")
+    eta = (max_steps - last["step"]) / rate if rate and max_steps and summary is None else None
+    return {
+        "step": last["step"], "max_steps": max_steps, "steps_per_s": rate, "eta_s": eta,
+        "reward": last.get("reward"), "reward_std": last.get("reward_std"), "kl": last.get("kl"), "loss": last.get("loss"),
+        "logged_at": _iso(last["time"]) if "time" in last else None,
+        "age_s": now - last["time"] if "time" in last else None,
+        "finished": summary is not None,
+    }
+
+
+def last_syncs(run_dir: Path) -> dict[str, dict]:
+    """The last confirmed weight sync per role (`generation`, `reference`) from weight_sync.jsonl."""
+    syncs, entries = {}, read_jsonl(run_dir / "weight_sync.jsonl")
+    now = time.time()
+    for entry in entries:
+        syncs[entry["role"]] = {"step": entry["step"], "weight_version": entry.get("weight_version"),
+                                "at": _iso(entry["time"]), "age_s": now - entry["time"]}
+    return syncs
+
+
+def staleness(run_dir: Path) -> Optional[dict]:
+    """The last batch's staleness (steps between the weights it was sampled from and the policy it trained) and
+    the largest so far, from rollouts.jsonl."""
+    rollouts = read_jsonl(run_dir / "rollouts.jsonl")
+    if not rollouts:
+        return None
+    return {"step": rollouts[-1]["step"], "last": rollouts[-1]["staleness"], "max": max(r["staleness"] for r in rollouts)}
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------------------------------ status
+def run_status(run_dir: Path) -> dict:
+    """Everything `status` shows, as the documented `--json` object."""
+    files = RunFiles(run_dir.resolve())
+    events = read_events(files)
+    jobs = read_jobs(files)
+    roles = [job["role"] for job in jobs if job["role"] != TRAINER]
+    roles += sorted(p.stem for p in files.run_dir.glob("*.addr") if p.stem not in roles)
+    urls = server_urls(files, roles, events)
+    return {
+        "schema": SCHEMA_VERSION,
+        "run_dir": str(files.run_dir),
+        "checked_at": _iso(time.time()),
+        "jobs": jobs,
+        "servers": [probe_server(role, urls[role], run_api_key(files)) for role in roles],
+        "trainer": trainer_progress(files.run_dir),
+        "last_sync": last_syncs(files.run_dir),
+        "staleness": staleness(files.run_dir),
+        "events": events[-EVENTS_SHOWN:],
+    }
+
+
+def ended(status: dict) -> bool:
+    """A launched run has ended when none of its jobs may still run; one without jobs (`open-r1-ext train` on this
+    machine) when the trainer has logged its end."""
+    from open_r1_ext.launch.jobs import ACTIVE_STATES
+
+    if status["jobs"]:
+        return not any(job["state"] in ACTIVE_STATES for job in status["jobs"])
+    return status["trainer"] is not None and status["trainer"]["finished"]
+
+
+def _num(value: Optional[float], fmt: str = ".4f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"
+
+
+def format_status(status: dict) -> str:
+    """The human-readable form: one line per part, the events indented below."""
+    lines = [f"run       {status['run_dir']}  (at {status['checked_at']})"]
+    jobs = ", ".join(f"{j['role']} {j['job_id']} {j['state']}" for j in status["jobs"])
+    lines.append(f"jobs      {jobs or 'none (no jobs.env: a run of open-r1-ext train, or not submitted yet)'}")
+    for server in status["servers"]:
+        health = f"healthy, weights {server['weight_version']}" if server["healthy"] else "NOT HEALTHY"
+        error = f" ({server['error']})" if server["error"] else ""
+        lines.append(f"server    {server['role']} {server['url'] or '-'}: {health}{error}")
+    trainer = status["trainer"]
+    if trainer is None:
+        lines.append("trainer   no step logged yet")
+    else:
+        done = "finished" if trainer["finished"] else f"ETA {_duration(trainer['eta_s'])}"
+        rate = "-" if trainer["steps_per_s"] is None else f"{trainer['steps_per_s']:.2f}"
+        lines.append(f"trainer   step {trainer['step']}/{trainer['max_steps'] or '?'}  {rate} steps/s  {done}  "
+                     f"reward {_num(trainer['reward'])}  kl {_num(trainer['kl'])}  loss {_num(trainer['loss'])}  "
+                     f"(logged {_duration(trainer['age_s'])} ago)")
+    for role, sync in status["last_sync"].items():
+        lines.append(f"sync      {role}: step {sync['step']} (weights {sync['weight_version']}), "
+                     f"{_duration(sync['age_s'])} ago")
+    if status["staleness"]:
+        lines.append(f"staleness {status['staleness']['last']} step(s) at step {status['staleness']['step']} "
+                     f"(max {status['staleness']['max']})")
+    for i, event in enumerate(status["events"]):
+        lines.append(f"{'events' if i == 0 else '':<10}{event['at']} {event['message']}")
+    return "\n".join(lines)
+
+
+def main(run_dir: str, as_json: bool = False, watch: Optional[float] = None) -> int:
+    """Print the status once, or every `watch` seconds until the run has ended (or Ctrl-C)."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        print(f"{run_dir}: no such run directory (a recipe's trainer.output_dir)", file=sys.stderr)
+        return 2
+    try:
+        while True:
+            status = run_status(path)
+            if as_json:
+                print(json.dumps(status), flush=True)
+            else:
+                clear = "\033[H\033[J" if watch and sys.stdout.isatty() else ""
+                print(clear + format_status(status), end="\n\n" if watch else "\n", flush=True)
+            if not watch or ended(status):
+                return 0
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return 0

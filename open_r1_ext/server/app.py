@@ -94,18 +94,20 @@ REF_PREFIX = "/ref"
 
 def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[str] = None, random_seed: int = 0,
                context_length: Optional[int] = None, limits: Optional[Limits] = None,
-               weight_dirs: Optional[list[str]] = None, deterministic: bool = False, text_only: bool = False) -> FastAPI:
+               weight_dirs: Optional[list[str]] = None, deterministic: bool = False, text_only: bool = False,
+               incremental_streaming: bool = False) -> FastAPI:
     """The FastAPI application serving each `(engine, batcher)` slot under its URL prefix ("" is the root).
     `limits`: what one request may ask for (default: `Limits()`); `weight_dirs`: the directories
     `/update_weights_from_disk` may read below (None: any); `deterministic` (`--enable-deterministic-inference`):
     `sampling_seed` is honoured (else ignored, as SGLang does); `text_only` (`--openai-text-only`): `/v1/completions`
-    imitates a plain OpenAI-compatible server (text prompts only, one choice per prompt whatever `n`, no token ids)."""
+    imitates a plain OpenAI-compatible server (text prompts only, one choice per prompt whatever `n`, no token ids);
+    `incremental_streaming` (`--incremental-streaming-output`): a `/generate` stream chunk carries only what is new."""
     app = FastAPI(title="open_r1_ext built-in server", version=__version__)
     limits = limits or Limits()
     allowed = None if weight_dirs is None else [os.path.realpath(d) for d in weight_dirs]
     for prefix, (engine, batcher) in slots.items():
         app.include_router(slot_router(engine, batcher, random_seed, context_length, limits, allowed, deterministic,
-                                       text_only), prefix=prefix)
+                                       text_only, incremental_streaming), prefix=prefix)
 
     if api_key:  # only then: the middleware costs every request a little
         expected = f"Bearer {api_key}".encode()
@@ -244,7 +246,8 @@ def _handed_in(request: Request) -> None:
 
 
 def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context_length: Optional[int], limits: Limits,
-                weight_dirs: Optional[list[str]], deterministic: bool = False, text_only: bool = False) -> APIRouter:
+                weight_dirs: Optional[list[str]], deterministic: bool = False, text_only: bool = False,
+                incremental: bool = False) -> APIRouter:
     """The routes of one model slot."""
     app = APIRouter(route_class=OrjsonRoute)
     seeds = random.Random(random_seed)
@@ -409,9 +412,12 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                 scored, details = await run([], to_score, detailed, request) if to_score else ([], [])
                 inputs = prompt_inputs(prompts, want, starts, tops, token_ids, obj.return_text_in_logprobs, scored, details)
                 per_task = [inputs[p] for p, n in enumerate(copies) for _ in range(n)]
+                sent = [0] * len(tasks)
                 async for index, n in stream_tasks(tasks):
                     ask, rid = outputs_of[index]
-                    out = generate_output(engine, tasks[index], ask, per_task[index], rid, n)
+                    out = generate_output(engine, tasks[index], ask, per_task[index], rid, n,
+                                          since=sent[index] if incremental else 0)
+                    sent[index] = n
                     if many:
                         out["index"] = index
                     yield sse(out)
@@ -451,11 +457,19 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                 task.abort()
             in_flight.difference_update(tasks)
 
+    card = {"id": engine.model_path, "object": "model", "created": started, "owned_by": "open_r1_ext",
+            "root": engine.model_path, "max_model_len": max_len}
+
     @app.get("/v1/models")
     async def list_models() -> dict:
-        card = {"id": engine.model_path, "object": "model", "created": started, "owned_by": "open_r1_ext",
-                "root": engine.model_path, "max_model_len": max_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> JSONResponse:
+        if model != engine.model_path:
+            message = f"The model '{model}' does not exist (this server serves {engine.model_path})"
+            return JSONResponse(status_code=404, content={"error": {"message": message, "type": "NotFoundError"}})
+        return JSONResponse(card)
 
     @app.post("/v1/completions")
     async def completions(obj: CompletionRequest, request: Request) -> Any:
@@ -569,6 +583,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--weight-dirs", nargs="+", default=None, metavar="DIR",
                         help="/update_weights_from_disk reads only below these directories (default: anywhere); "
                              "launchers pass the run's sync_dir")
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="as SGLang: each /generate stream chunk carries only the new tokens and text (default: all so far)")
     parser.add_argument("--openai-text-only", action="store_true",
                         help="for tests of the OpenAI backend: /v1/completions behaves like a plain OpenAI-compatible "
                              "server (e.g. llama.cpp's): text prompts only, one choice per prompt whatever n, no token ids")
@@ -611,7 +627,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     max_body_bytes=args.max_body_bytes)
     app = create_app(slots, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length,
                      limits=limits, weight_dirs=args.weight_dirs, deterministic=args.enable_deterministic_inference,
-                     text_only=args.openai_text_only)
+                     text_only=args.openai_text_only, incremental_streaming=args.incremental_streaming_output)
     # The hundreds of thousands of objects torch, transformers and FastAPI leave on the heap are permanent: keep the
     # garbage collector from re-scanning them after every response (measured: ~90 ms of CPU per 32x256 request).
     gc.collect()

@@ -88,9 +88,10 @@ class GenerateAsk:
 
 
 def generate_output(engine: ModelEngine, task: GenerationTask, ask: GenerateAsk, inputs: PromptLogprobs, rid: str,
-                    count: Optional[int] = None) -> dict:
+                    count: Optional[int] = None, since: int = 0) -> dict:
     """SGLang's `/generate` answer for one sequence; `count`: only its first `count` tokens (a stream chunk, which
-    carries no finish reason until the last)."""
+    carries no finish reason until the last); `since`: only the tokens (and text) after the first `since` (a chunk of
+    `--incremental-streaming-output`)."""
     done = count is None or (task.finish is not None and count >= len(task.output_ids))
     n = len(task.output_ids) if count is None else count
     kind, value = task.finish or ("length", n)
@@ -103,17 +104,20 @@ def generate_output(engine: ModelEngine, task: GenerationTask, ask: GenerateAsk,
         "weight_version": engine.weight_version,
     }
     if ask.return_logprob:
-        ids = task.output_ids[:n]
+        ids = task.output_ids[since:n]
         meta["input_token_logprobs"] = inputs.token_logprobs
-        meta["output_token_logprobs"] = logprob_entries(task.output_logprobs[:n], ids, token_texts(engine, ids, ask.return_text))
+        meta["output_token_logprobs"] = logprob_entries(task.output_logprobs[since:n], ids, token_texts(engine, ids, ask.return_text))
         if ask.top_logprobs_num:
             meta["input_top_logprobs"] = inputs.top_logprobs
-            meta["output_top_logprobs"] = [pair_entries(engine, p, ask.return_text) for p in task.output_top_logprobs[:n]]
+            meta["output_top_logprobs"] = [pair_entries(engine, p, ask.return_text) for p in task.output_top_logprobs[since:n]]
         if ask.token_ids_logprob is not None:
             meta["input_token_ids_logprobs"] = inputs.token_ids_logprobs
             meta["output_token_ids_logprobs"] = [pair_entries(engine, p, ask.return_text)
-                                                 for p in task.output_token_ids_logprobs[:n]]
-    return {"text": output_text(engine, task, None if done else n), "output_ids": task.output_ids[:n], "meta_info": meta}
+                                                 for p in task.output_token_ids_logprobs[since:n]]
+    text = output_text(engine, task, None if done else n)
+    if since:
+        text = text[len(output_text(engine, task, since)):]
+    return {"text": text, "output_ids": task.output_ids[since:n], "meta_info": meta}
 
 
 # ------------------------------------------------------------------------------------------------ OpenAI

@@ -1,0 +1,264 @@
+"""The OpenAI side: the official `openai` Python client against the built-in server (SGLang's
+`test/srt/test_openai_server.py` completion and model tests, ported to the tiny model), and the OpenAI backend
+(`OpenAICompletionsClient`) against the built-in server as SGLang, as vLLM, and as a plain OpenAI-compatible server
+(`--openai-text-only`: text prompts only, `n` dropped, no token ids), plus a server that answers 500 every time (a
+small HTTP server in this file, standing in for a broken third-party server)."""
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import openai
+import pytest
+import requests
+from transformers import AutoTokenizer
+
+from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.openai_client import OpenAICompletionsClient, ServerAbilities
+from open_r1_ext.protocol import completion_from_choice
+from open_r1_ext.sglang_client import ServerError
+from tests.helpers import reward_len, tiny_config, tiny_dataset
+
+API_KEY = "sk-123456"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model, tmp_path_factory):
+    """A built-in server with an API key, as SGLang's test starts its own."""
+    log = tmp_path_factory.mktemp("openai-log") / "server.log"
+    with BuiltinServer(str(tiny_model), log_path=str(log), extra_args=("--no-ref-slot", "--api-key", API_KEY),
+                       deterministic=True) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def text_only(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("text-only-log") / "server.log"
+    with BuiltinServer(str(tiny_model), log_path=str(log), extra_args=("--no-ref-slot", "--openai-text-only"),
+                       deterministic=True) as srv:
+        yield srv
+
+
+def official_client(server) -> openai.Client:
+    return openai.Client(api_key=API_KEY, base_url=f"{server.url}/v1")
+
+
+# ---------------------------------------------------------------------------------- test_openai_server.py
+def run_completion(server, tokenizer, model, echo, logprobs, use_list_input, parallel_sample_num, token_input):
+    client = official_client(server)
+    if token_input:
+        prompt_input = tokenizer.encode(PROMPT)
+        num_prompt_tokens = len(prompt_input)
+    else:
+        prompt_input = PROMPT
+        num_prompt_tokens = len(tokenizer.encode(PROMPT))
+    if use_list_input:
+        prompt_arg = [prompt_input, prompt_input]
+        num_choices = len(prompt_arg)
+        num_prompt_tokens *= 2
+    else:
+        prompt_arg = prompt_input
+        num_choices = 1
+    response = client.completions.create(model=model, prompt=prompt_arg, temperature=0, max_tokens=32, echo=echo,
+                                         logprobs=logprobs, n=parallel_sample_num)
+    assert len(response.choices) == num_choices * parallel_sample_num
+    if echo:
+        assert response.choices[0].text.startswith(PROMPT)
+    if logprobs:
+        assert response.choices[0].logprobs
+        assert isinstance(response.choices[0].logprobs.tokens[0], str)
+        assert isinstance(response.choices[0].logprobs.top_logprobs[1], dict)
+        assert len(response.choices[0].logprobs.top_logprobs[1]) > 0
+        if not echo:  # with echo the first token's log-prob is None
+            assert response.choices[0].logprobs.token_logprobs[0]
+    assert response.id
+    assert response.created
+    assert response.usage.prompt_tokens == num_prompt_tokens, f"{response.usage.prompt_tokens} vs {num_prompt_tokens}"
+    assert response.usage.completion_tokens > 0
+    assert response.usage.total_tokens > 0
+
+
+def run_completion_stream(server, tokenizer, model, echo, logprobs, use_list_input, parallel_sample_num, token_input):
+    client = official_client(server)
+    prompt_input = tokenizer.encode(PROMPT) if token_input else PROMPT
+    prompt_arg, num_choices = ([prompt_input, prompt_input], 2) if use_list_input else (prompt_input, 1)
+    generator = client.completions.create(model=model, prompt=prompt_arg, temperature=0, max_tokens=32, echo=echo,
+                                          logprobs=logprobs, stream=True, stream_options={"include_usage": True},
+                                          n=parallel_sample_num)
+    is_firsts = {}
+    usage_seen = False
+    for response in generator:
+        usage = response.usage
+        if usage is not None:
+            assert usage.prompt_tokens > 0 and usage.completion_tokens > 0 and usage.total_tokens > 0
+            usage_seen = True
+            continue
+        index = response.choices[0].index
+        is_first = is_firsts.get(index, True)
+        if logprobs:
+            assert response.choices[0].logprobs
+            assert isinstance(response.choices[0].logprobs.tokens[0], str)
+            if not (is_first and echo):
+                assert isinstance(response.choices[0].logprobs.top_logprobs[0], dict)
+                assert len(response.choices[0].logprobs.top_logprobs[0]) > 0
+        if is_first:
+            if echo:
+                assert response.choices[0].text.startswith(PROMPT), response.choices[0].text
+            is_firsts[index] = False
+        assert response.id
+        assert response.created
+    for index in range(parallel_sample_num * num_choices):
+        assert not is_firsts.get(index, True), f"index {index} is not found in the response"
+    assert usage_seen
+
+
+@pytest.mark.parametrize("logprobs", [None, 5])
+def test_completion(keyed, tokenizer, tiny_model, logprobs):
+    for echo in (False, True):
+        for use_list_input in (True, False):
+            for parallel_sample_num in (1, 2):
+                for token_input in (False, True):
+                    run_completion(keyed, tokenizer, str(tiny_model), echo, logprobs, use_list_input,
+                                   parallel_sample_num, token_input)
+
+
+@pytest.mark.parametrize("logprobs", [None, 5])
+def test_completion_stream(keyed, tokenizer, tiny_model, logprobs):
+    for echo in (False, True):
+        for use_list_input, parallel_sample_num in ((False, 1), (True, 2)):
+            for token_input in (False, True):
+                run_completion_stream(keyed, tokenizer, str(tiny_model), echo, logprobs, use_list_input,
+                                      parallel_sample_num, token_input)
+
+
+def test_model_list(keyed):
+    models = list(official_client(keyed).models.list())
+    assert len(models) == 1
+    assert isinstance(getattr(models[0], "max_model_len", None), int)
+    assert isinstance(models[0].created, int) and models[0].created > 0
+
+
+def test_retrieve_model(keyed, tiny_model):
+    client = official_client(keyed)
+    retrieved_model = client.models.retrieve(str(tiny_model))
+    assert retrieved_model.id == str(tiny_model) and retrieved_model.root == str(tiny_model)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("non-existent-model")
+
+
+def test_stop_strings_and_unsupported_fields(keyed, tiny_model):
+    client = official_client(keyed)
+    greedy = client.completions.create(model=str(tiny_model), prompt=PROMPT, temperature=0, max_tokens=12)
+    stop = greedy.choices[0].text[3:6]  # a piece of what greedy decoding writes
+    stopped = client.completions.create(model=str(tiny_model), prompt=PROMPT, temperature=0, max_tokens=12, stop=[stop])
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop" and stop not in choice.text and greedy.choices[0].text.startswith(choice.text)
+    assert choice.model_extra["matched_stop"] == stop
+    with pytest.raises(openai.BadRequestError, match="best_of: not supported by the built-in server"):
+        client.completions.create(model=str(tiny_model), prompt=PROMPT, max_tokens=2, best_of=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=str(tiny_model), prompt=PROMPT, max_tokens=2, logprobs=6)  # OpenAI's limit: 5
+
+
+# ------------------------------------------------------------------------------------------ the OpenAI backend
+def test_token_ids_come_back_the_sglang_way_and_the_vllm_way(server):
+    """Divergence 1: SGLang says ids in `choices[i].token_ids` (`return_token_ids`), vLLM as `"token_id:N"` tokens
+    (`return_tokens_as_token_ids`); the backend reads either, and they are the ids the server sampled."""
+    body = {"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 6, "temperature": 0, "logprobs": 0}
+    native = requests.post(f"{server.url}/generate", timeout=30, json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+    for switch in ("return_token_ids", "return_tokens_as_token_ids"):
+        choice = requests.post(f"{server.url}/v1/completions", json={**body, switch: True}, timeout=30).json()["choices"][0]
+        completion = completion_from_choice(choice)
+        assert completion is not None and completion.token_ids == native["output_ids"]
+        assert len(completion.logprobs) == 6
+    text_only = requests.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    assert completion_from_choice(text_only) is None
+
+
+def test_backend_against_the_builtin_server(server, tokenizer):
+    client = OpenAICompletionsClient(server.url, tokenizer=tokenizer)
+    client.wait_until_healthy(timeout=30, progress=False)
+    assert client.abilities == ServerAbilities(token_id_prompts=True, n_in_one_request=True, token_ids=True,
+                                               logprobs=True, extensions=True)
+    sampling = {"max_new_tokens": 8, "temperature": 1.0}
+    groups = client.generate([[1, 2, 3], [4, 5]], sampling, n=3, seeds=[7, 8, 9, 10, 11, 12])
+    # divergence 2: a deterministic server gives every copy of a seeded request the same seed; one request per copy
+    assert all(len({tuple(c.token_ids) for c in g}) == 3 for g in groups)
+    again = client.generate([[1, 2, 3], [4, 5]], sampling, n=3, seeds=[7, 8, 9, 10, 11, 12])
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in groups]
+    assert all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for g in groups for c in g)
+    unseeded = client.generate([[1, 2, 3]], {**sampling, "temperature": 0.0}, n=2)  # one request with n
+    assert [len(g) for g in unseeded] == [2]
+
+
+def test_backend_adapts_to_a_plain_openai_server(text_only, tokenizer, tiny_model, tmp_path, caplog):
+    """A server like llama.cpp's: text prompts only, one choice per prompt whatever n, text instead of ids."""
+    r = requests.post(f"{text_only.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and "text prompts only" in r.text
+    client = OpenAICompletionsClient(text_only.url, tokenizer=tokenizer)
+    with caplog.at_level(logging.WARNING, logger="open_r1_ext.openai_client"):
+        client.wait_until_healthy(timeout=30, progress=False)
+        assert client.abilities == ServerAbilities(token_id_prompts=False, n_in_one_request=False, token_ids=False,
+                                                   logprobs=True, extensions=True)
+        prompts = [tokenizer.encode("Hello there"), tokenizer.encode(PROMPT)]
+        groups = client.generate(prompts, {"max_new_tokens": 6, "temperature": 1.0}, n=2)
+        client.generate(prompts, {"max_new_tokens": 6, "temperature": 1.0}, n=2, seeds=[1, 2, 3, 4])
+    assert [len(g) for g in groups] == [2, 2]
+    assert all(c.logprobs is None and c.token_ids for g in groups for c in g)  # re-tokenized text: no log-probs
+    warnings = [r.message for r in caplog.records]
+    assert sum("text prompts only" in m for m in warnings) == 1 and sum("lossy" in m for m in warnings) == 1
+    # and the trainer trains through it
+    args = tiny_config(tmp_path, max_steps=1, generation_url=text_only.url, generation_backend="openai",
+                       weight_sync_steps=0, beta=0.0)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+class AlwaysFails(BaseHTTPRequestHandler):
+    """A broken OpenAI-compatible server: /v1/models answers, every completion gets the same 500."""
+
+    calls = 0
+
+    def do_GET(self):
+        self._answer(200, {"object": "list", "data": [{"id": "broken", "object": "model"}]})
+
+    def do_POST(self):
+        type(self).calls += 1
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer(500, {"error": {"message": "prompt_logprobs: value is not a valid integer"}})
+
+    def _answer(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_deterministic_500_is_retried_a_few_times_and_reported(tokenizer):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), AlwaysFails)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = OpenAICompletionsClient(f"http://127.0.0.1:{httpd.server_port}", tokenizer=tokenizer, backoff_factor=0.1)
+        started = time.monotonic()
+        with pytest.raises(ServerError, match="HTTP 500 after retries: .*prompt_logprobs: value is not a valid integer"):
+            client.generate([[1, 2, 3]], {"max_new_tokens": 2})
+        assert AlwaysFails.calls == 3  # the first try and two retries, not minutes of them
+        assert time.monotonic() - started < 10
+    finally:
+        httpd.shutdown()

@@ -36,9 +36,14 @@ from open_r1_ext.protocol import (
 logger = logging.getLogger(__name__)
 
 # The clients' defaults; `RemoteGRPOConfig` and `OpenAICompletionsClient` read them from here.
-DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one HTTP call
-DEFAULT_MAX_RETRIES = 8  # with the back-off below: about two minutes of retries
+# The one retry budget of a call to a server that is gone: DEFAULT_MAX_RETRIES retries (connection errors, 5xx) with
+# urllib3's back-off of 0, 1, 2, 4, 8, 16, 30, 30 s = 91 s of waiting; each try also spends up to CONNECT_TIMEOUT
+# (a host that vanished; a refused port answers at once), so a lost server stops the call after ~1.5-3 minutes.
+# Callers do not add attempts of their own on top (a reload is retried only when the server answered).
+DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one HTTP call (a server that accepts and then hangs: this, per try)
+DEFAULT_MAX_RETRIES = 8
 DEFAULT_BACKOFF_FACTOR = 0.5
+CONNECT_TIMEOUT = 10.0  # seconds to open a connection (of the request timeout)
 DEFAULT_MAX_BATCH_TOKENS = 65536
 
 
@@ -122,7 +127,7 @@ class SGLangClient:
         url = f"{self.base_url}{route}"
         body, headers = (None, None) if json is None else (_encode_json(json), {"Content-Type": "application/json"})
         try:
-            response = self.session.request(method, url, data=body, headers=headers, timeout=timeout or self.request_timeout)
+            response = self.session.request(method, url, data=body, headers=headers, timeout=(CONNECT_TIMEOUT, timeout or self.request_timeout))
         except requests.RequestException as err:
             raise ServerError(f"{url}: no answer within the retry budget: {err}") from err
         if 400 <= response.status_code < 500:

@@ -15,6 +15,8 @@ import functools
 import logging
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -24,6 +26,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from open_r1_ext.launch.jobs import SIGTERM_EXIT
 from open_r1_ext.launch.recipe import Recipe, RecipeError, ServerSpec, load_recipe
 from open_r1_ext.launch.run_key import key_file, read_run_key, write_run_key
+from open_r1_ext.sglang_client import ServerError
 
 logger = logging.getLogger("open_r1_ext.train")
 SERVER_URL_ENV, REF_URL_ENV = "OPEN_R1_EXT_SERVER_URL", "OPEN_R1_EXT_REF_URL"
@@ -47,7 +50,11 @@ def train_recipe(path: str, overrides: list[str], server_url: Optional[str] = No
     except RecipeError as err:
         print(err, file=sys.stderr)
         return 2
-    trainer = run(recipe, server_url=server_url, ref_url=ref_url)
+    try:
+        trainer = run(recipe, server_url=server_url, ref_url=ref_url)
+    except ServerError as err:  # a server gone, a failed sync or dump: the story in a few lines, the traceback in a file
+        print(f"{err}\n(traceback in {save_traceback(recipe)})", file=sys.stderr, flush=True)
+        return 1
     stop = trainer.stop_signal
     if stop.stopped_at is not None:
         print(f"{stop.received}: stopped after step {stop.stopped_at} with a checkpoint in "
@@ -89,6 +96,15 @@ def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str]
         trainer.save_model(str(output_dir))
     logger.info("training finished: model saved to %s", output_dir)
     return trainer
+
+
+def save_traceback(recipe: Recipe) -> Path:
+    """Append the exception being handled, with its traceback, to `<output_dir>/traceback.log`; return that file."""
+    path = Path(recipe.output_dir) / "traceback.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as log:
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {os.environ.get('RANK', '0')}\n{traceback.format_exc()}")
+    return path
 
 
 def build_rewards(recipe: Recipe) -> list:

@@ -60,9 +60,10 @@ class RemoteGRPOConfig(GRPOConfig):
         request_timeout (`float`, *optional*, defaults to `600.0`):
             Seconds one HTTP call may take before it is retried.
         max_retries (`int`, *optional*, defaults to `8`):
-            Retries of a call on connection errors and HTTP 5xx, with exponential back-off (0.5 s doubling, 30 s at
-            most: about two minutes in all). A server that stays down longer stops training with an error and a
-            checkpoint to resume from.
+            Retries of a call on connection errors and HTTP 5xx, with exponential back-off (waits of 0, 1, 2, 4, 8,
+            16, 30, 30 s: 91 s in all, plus up to 10 s to connect per try). This is the one budget of a failure: a
+            weight reload adds no attempts while the server does not answer. A server that stays down longer stops
+            training with a short message and a checkpoint to resume from.
         server_wait_timeout (`float`, *optional*, defaults to `900.0`):
             Seconds to wait at start-up for the servers to answer `/health`.
         max_batch_tokens (`int`, *optional*, defaults to `65536`):
@@ -214,4 +215,3 @@ class RemoteGRPOConfig(GRPOConfig):
     @property
     def remote_reference(self) -> bool:
         return self.ref_model_url is not None and self.beta != 0.0
-

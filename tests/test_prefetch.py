@@ -102,6 +102,25 @@ def test_prefetched_reference_equals_the_one_asked_for_and_steps_are_timed(tiny_
         assert all(h["background/generate"] > 0 for h in logged_steps(fetched))
 
 
+def test_prefetch_after_trl_generates_locally_with_truncated_completions_masked(tiny_model, server, tmp_path, caplog):
+    """TRL generating on the trainer (the bench_trainer set-up): the request leaves after its generation; with
+    `mask_truncated_completions` a truncated completion's row is its prompt alone, as TRL then scores it."""
+    runs = {}
+    for prefetch in (True, False):
+        args = tiny_config(tmp_path / str(prefetch), max_steps=2, ref_model_url=f"{server.url}/ref",
+                           mask_truncated_completions=True, prefetch_reference=prefetch)
+        trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+        trainer.train()
+        runs[prefetch] = trainer
+    prefetch = runs[True].reference_prefetch
+    assert (prefetch.sent, prefetch.used, prefetch.discarded) == (2, 2, 0)
+    assert "no reference prefetch matches" not in caplog.text
+    assert [(h["loss"], h["kl"]) for h in logged_steps(runs[True])] == [(h["loss"], h["kl"]) for h in logged_steps(runs[False])]
+    assert any(h["completions/clipped_ratio"] > 0 for h in logged_steps(runs[True]))  # some rows were prompts alone
+    for logs in logged_steps(runs[True]):
+        assert logs["timing/generate"] > 0 and logs["timing/reference_send"] > 0 and "timing/dump" not in logs
+
+
 def test_the_step_line_shows_the_wall_time_and_its_longest_parts(capsys):
     from transformers import TrainerState
 

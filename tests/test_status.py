@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, wait_until
+from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, fake_slurm_commands, wait_until
 
 
 def bare_env() -> dict:
@@ -100,3 +100,25 @@ def test_without_an_environment_the_scripts_say_what_to_do(tmp_path):
     chosen = subprocess.run(["bash", "slurm/python.sh", "-c", "import sys; print(sys.executable)"], cwd=REPO,
                             env=bare_env(), capture_output=True, text=True, timeout=60)
     assert chosen.stdout.strip() == str(REPO / ".venv" / "bin" / "python"), chosen.stderr
+
+
+def test_jobs_squeue_has_forgotten_get_their_state_from_sacct(tmp_path, monkeypatch):
+    """After SLURM's MinJobAge squeue no longer lists a job; sacct (accounting, which the local test cluster does not
+    keep: a fake sacct here) still knows how it ended. Without accounting the state stays GONE."""
+    from open_r1_ext.launch.run_status import run_status
+
+    bin_dir = tmp_path / "bin"
+    calls = fake_slurm_commands(bin_dir, squeue_lines="11|RUNNING|0\n")
+    (bin_dir / "sacct").write_text(f'#!/bin/sh\necho "sacct $*" >> {calls}\nprintf "12|CANCELLED by 0\\n13|COMPLETED\\n"\n')
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "jobs.env").write_text("SERVER_JOB=11\nREF_SERVER_JOB=12\nTRAINER_JOB=13\nEXECUTOR=slurm\nLAUNCHER=sbatch\n")
+    jobs = run_status(run_dir)["jobs"]
+    assert [(j["role"], j["job_id"], j["state"]) for j in jobs] == [
+        ("server", "11", "RUNNING"), ("ref-server", "12", "CANCELLED"), ("trainer", "13", "COMPLETED")]
+    assert calls.read_text().splitlines() == ["squeue -h --states=all -j 11,12,13 -O JobID:|,State:|,RestartCnt:",
+                                              "sacct -n -X -P -o JobID,State -j 12,13"]  # one call each
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
+    assert [j["state"] for j in run_status(run_dir)["jobs"]] == ["RUNNING", "GONE", "GONE"]

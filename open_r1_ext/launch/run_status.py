@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from datetime import datetime
@@ -66,8 +67,8 @@ def run_metrics(run_dir: Path) -> tuple[list[dict], Optional[dict]]:
 # ----------------------------------------------------------------------------------------- parts
 def read_jobs(files: RunFiles) -> list[dict]:
     """The run's jobs from jobs.env, servers first, each `{role, job_id, executor, state}`: SLURM's state (one
-    squeue call for all, as the jobs watch each other; `GONE` once SLURM has forgotten the job), or a local
-    executor's `RUNNING`/`ENDED`. Empty before a launcher wrote jobs.env."""
+    squeue call for all, as the jobs watch each other; for jobs squeue no longer lists, one sacct call; `GONE` when
+    neither knows the job), or a local executor's `RUNNING`/`ENDED`. Empty before a launcher wrote jobs.env."""
     from open_r1_ext.launch.jobs import JobRef, JobWatch
 
     if not files.jobs.is_file():
@@ -76,7 +77,25 @@ def read_jobs(files: RunFiles) -> list[dict]:
     refs = [JobRef(match.group(1).lower().replace("_", "-"), value, values.get("EXECUTOR", "slurm"))
             for key, value in values.items() if (match := JOB_VAR.match(key))]
     watch = JobWatch(refs)
-    return [{"role": ref.role, "job_id": ref.job_id, "executor": ref.executor, "state": watch.state(ref)} for ref in refs]
+    jobs = [{"role": ref.role, "job_id": ref.job_id, "executor": ref.executor, "state": watch.state(ref)} for ref in refs]
+    gone = {job["job_id"]: job for job in jobs if job["state"] == "GONE"}
+    for job_id, state in (accounted_states(list(gone)) if gone else {}).items():
+        gone[job_id]["state"] = state
+    return jobs
+
+
+def accounted_states(job_ids: list[str]) -> dict[str, str]:
+    """The final states of jobs squeue has forgotten (after SLURM's MinJobAge), from one sacct call; {} where the
+    cluster keeps no accounting."""
+    try:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if out.returncode:
+        return {}
+    states = (line.split("|") for line in out.stdout.splitlines() if line.count("|") == 1)
+    return {job_id: state.split()[0] for job_id, state in states if job_id in job_ids and state}
 
 
 def server_urls(files: RunFiles, roles: list[str], events: list[dict]) -> dict[str, Optional[str]]:
@@ -240,9 +259,9 @@ def format_status(status: dict) -> str:
     else:
         done = "finished" if trainer["finished"] else f"ETA {_duration(trainer['eta_s'])}"
         rate = "-" if trainer["steps_per_s"] is None else f"{trainer['steps_per_s']:.2f}"
+        age = "" if trainer["age_s"] is None else f"  (logged {_duration(trainer['age_s'])} ago)"
         lines.append(f"trainer   step {trainer['step']}/{trainer['max_steps'] or '?'}  {rate} steps/s  {done}  "
-                     f"reward {_num(trainer['reward'])}  kl {_num(trainer['kl'])}  loss {_num(trainer['loss'])}  "
-                     f"(logged {_duration(trainer['age_s'])} ago)")
+                     f"reward {_num(trainer['reward'])}  kl {_num(trainer['kl'])}  loss {_num(trainer['loss'])}{age}")
     for role, sync in status["last_sync"].items():
         lines.append(f"sync      {role}: step {sync['step']} (weights {sync['weight_version']}), "
                      f"{_duration(sync['age_s'])} ago")

@@ -140,6 +140,20 @@ def test_completion_stream(keyed, tokenizer, tiny_model, logprobs):
                                       parallel_sample_num, token_input)
 
 
+def test_stream_deltas_add_up_to_the_answer(keyed, tiny_model):
+    """Streamed text pieces join to the non-streamed text, also when a character's bytes span tokens (held back until
+    complete) and when a stop string ends the answer (its start held back until it cannot be one)."""
+    client = official_client(keyed)
+    for extra in ({"seed": 3, "echo": True, "n": 2}, {"seed": 5, "stop": ["\u00e9", "ab"]}, {"temperature": 0, "stop": ["dd"]}):
+        body = {"model": str(tiny_model), "prompt": "Hello world", "max_tokens": 20, "temperature": 1.0, **extra}
+        whole = [c.text for c in client.completions.create(**body).choices]
+        pieces = {}
+        for chunk in client.completions.create(**body, stream=True):
+            for choice in chunk.choices:
+                pieces[choice.index] = pieces.get(choice.index, "") + choice.text
+        assert [pieces[i] for i in range(len(whole))] == whole
+
+
 def test_model_list(keyed):
     models = list(official_client(keyed).models.list())
     assert len(models) == 1

@@ -67,12 +67,18 @@ def pair_entries(engine: ModelEngine, pairs: list[tuple[float, int]], want_text:
 
 
 def output_text(engine: ModelEngine, task: GenerationTask, count: Optional[int] = None) -> str:
-    """The completion's text, cut before a matched stop string (unless `no_stop_trim`), as SGLang's detokenizer."""
+    """The completion's text, cut before a matched stop string (unless `no_stop_trim`), as SGLang's detokenizer.
+    With `count` (a stream chunk of the first `count` tokens) it holds back, as SGLang does, what may still change:
+    a character whose bytes are not all out yet, and the end that could be the start of a stop string."""
     ids = task.output_ids if count is None else task.output_ids[:count]
     text = engine.tokenizer.decode(ids, skip_special_tokens=task.params.skip_special_tokens,
                                    spaces_between_special_tokens=task.params.spaces_between_special_tokens)
+    if count is not None:
+        text = text.rstrip("\ufffd")
+        hold = max(map(len, task.params.stop_strings), default=1) - 1
+        return text[: len(text) - hold] if hold else text
     matched = task.finish[1] if task.finish and task.finish[0] == "stop" else None
-    if isinstance(matched, str) and not task.params.no_stop_trim and count is None:
+    if isinstance(matched, str) and not task.params.no_stop_trim:
         text = text[: text.find(matched)] if matched in text else text
     return text
 

@@ -13,9 +13,11 @@ e.g. restoring the reference on resume). A plain `save_pretrained` directory wit
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -24,12 +26,13 @@ from typing import Any, Callable
 import torch
 import xxhash
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"
 # Present while a dump is being written; removed just before the rename that publishes it.
 INCOMPLETE = "WRITE_IN_PROGRESS"
+TEMPORARY = ".tmp-"  # `.step-7.tmp-<pid>`: a dump being written; removed at the next start if a crash left it
 CHECKSUM = "xxh3_128"  # ~10 GB/s in memory here, 9x sha256; it guards against damage, not against an attacker
 
 
@@ -180,16 +183,40 @@ def _write_manifest(directory: Path, files: dict[str, dict]) -> None:
     os.replace(tmp, directory / MANIFEST)
 
 
-def write_weight_dir(directory: Path, write: Callable[[Path], None]) -> Path:
-    """Publish `directory` atomically: `write(tmp)` fills a temporary sibling, the manifest (file sizes) is written
-    last, then one rename makes it visible. Neither checksummed nor durable yet: see `seal_weight_dir`."""
+def shard_name(index: int, count: int) -> str:
+    """The file name transformers gives shard `index` (0-based) of `count`."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], durable: bool = False) -> int:
+    """Write one safetensors shard (no copy of CPU tensors: safetensors writes from their memory); with `durable`,
+    fsync it (a writer on another machine than the one that seals the dump). Returns its bytes of tensor data."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    if durable:
+        _fsync(path)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """`model.safetensors.index.json`: which shard holds each tensor, as transformers writes it."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX).write_text(json.dumps(index, indent=1))
+
+
+def temporary_dir(directory: Path) -> Path:
+    """Create the temporary sibling a dump of `directory` is written in (marked unfinished), empty."""
     directory = Path(directory)
-    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    tmp = directory.with_name(f".{directory.name}{TEMPORARY}{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     (tmp / INCOMPLETE).touch()
-    write(tmp)
+    return tmp
+
+
+def publish(tmp: Path, directory: Path) -> Path:
+    """Make the dump written in `tmp` visible as `directory`: the manifest (file sizes) last, then one rename.
+    Neither checksummed nor durable yet: see `seal_weight_dir`."""
     files = {
         str(path.relative_to(tmp)): {"size": path.stat().st_size}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != INCOMPLETE)
@@ -200,3 +227,40 @@ def write_weight_dir(directory: Path, write: Callable[[Path], None]) -> Path:
         shutil.rmtree(directory)
     os.rename(tmp, directory)
     return directory
+
+
+def write_weight_dir(directory: Path, write: Callable[[Path], None]) -> Path:
+    """Publish `directory` atomically: `write(tmp)` fills a temporary sibling, then `publish`. If anything fails
+    before the rename, the temporary directory is removed and the error raised: nothing half-written stays."""
+    directory = Path(directory)
+    tmp = temporary_dir(directory)
+    try:
+        write(tmp)
+        return publish(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_temporary_dirs(parent: Path) -> list[Path]:
+    """Remove the temporary dumps a crash left in `parent` (never published, never loaded); returns them."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    leftovers = sorted(p for p in parent.iterdir()
+                       if p.name.startswith(".") and TEMPORARY in p.name and p.is_dir() and not p.is_symlink())
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """True for 'no space left on device' (or over a quota), whoever raised it: `OSError` from Python,
+    `SafetensorError` (its message carries the OS error), or an error caused by one of them."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if re.search(r"No space left on device|Disk quota exceeded|os error (28|122)\b", str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False

@@ -18,7 +18,7 @@ from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
 from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.weight_files import check_manifest, seal_weight_dir, write_weight_dir
-from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
+from open_r1_ext.trainer.weight_sync import SyncTarget, WeightDumpError, WeightSync, WeightSyncError, epochs_crossed
 from tests.helpers import model_variant, restore_default_weights, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 FIXED_BATCH = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -175,12 +175,14 @@ def test_sync_is_logged_only_once_its_dump_is_durable(tiny_model, server, tmp_pa
         check_manifest(tmp_path / "weights" / "step-1", checksums=True)
 
         def failing_seal(path):
-            raise OSError(errno.EIO, "fsync failed: Input/output error", str(path / "model.safetensors"))
+            raise OSError(errno.EIO, "fsync failed: Input/output error", str(path / "model-00001-of-00001.safetensors"))
 
         monkeypatch.setattr(weight_sync_module, "seal_weight_dir", failing_seal)
         assert sync.sync(model, 2, [target]) is None  # published and reloaded; its fsync fails in the background
-        path, error = sync.dump(model, 3)
-        assert error is not None and "step-2/model.safetensors" in error and "Input/output error" in error
+        with pytest.raises(WeightDumpError, match=r"did not reach the disk .*Input/output error.*"
+                                                  r"step-2/model-00001-of-00001.safetensors(.|\n)*Stopping at step 3"):
+            sync.dump(model, 3)
+        assert not (tmp_path / "weights" / "step-3").exists()
         assert [json.loads(line)["weight_version"] for line in log.read_text().splitlines()] == ["1"]
     finally:
         gate.set()
@@ -282,3 +284,39 @@ def test_failed_reload_stops_training_unless_staleness_allows(tiny_model, tmp_pa
         trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
         trainer.train()
         assert trainer.state.global_step == 3
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A 600 kB tmpfs: room for one dump of the tiny model (~380 kB), not two. Mounting needs root (as `make test`
+    has for its SLURM cluster); elsewhere the test is skipped."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_during_a_dump_stops_with_a_checkpoint_and_removes_the_partial_dump(tiny_model, server, tmp_path,
+                                                                                        small_disk):
+    """A real ENOSPC (safetensors raises its own SafetensorError): one line naming the path and the cause, a
+    checkpoint at the failing step, nothing half-written left on the full disk; the same run then resumes."""
+    settings = dict(max_steps=4, generation_url=server.url, keep_last_dumps=2, save_strategy="steps", save_steps=10)
+    args = tiny_config(tmp_path / "run", sync_dir=str(small_disk), **settings)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    with pytest.raises(WeightDumpError) as caught:
+        trainer.train()
+    first = str(caught.value).splitlines()[0]
+    assert first.startswith(f"could not write the weight dump {small_disk / 'step-2'} (model-00001-of-00001.safetensors, "
+                            "rank 0): no space left on device (SafetensorError:"), first
+    assert sorted(p.name for p in small_disk.iterdir()) == ["step-1"]  # the partial step-2 is gone
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()
+    # with room again, the same command resumes from that checkpoint
+    args = tiny_config(tmp_path / "run", sync_dir=str(tmp_path / "weights"), **settings)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 4 and SGLangClient(server.url).weight_version() == "4"

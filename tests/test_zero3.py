@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-3 on CPU (2 gloo processes): the weight dump gathers the partitioned parameters whole."""
+"""DeepSpeed ZeRO-3 on CPU (2 gloo processes): the weight dump gathers the partitioned parameters bucket by bucket,
+both ranks write shards, a rank killed mid-dump publishes nothing and the next run resumes."""
 
 import json
 import os
@@ -6,18 +7,76 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from open_r1_ext.sglang_client import SGLangClient
+from open_r1_ext.weight_files import INDEX, check_manifest
+from tests.helpers import restore_default_weights
+
 REPO = Path(__file__).resolve().parents[1]  # `-m tests.<script>` runs from the repository root
 
 
-def test_zero3_dump_equals_the_unsharded_weights(tiny_model, tmp_path):
+def launch(*args, env=None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "tests.zero3_dump", str(tiny_model), str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tests.zero3_dump",
+               *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+
+
+def writes(out: Path, rank: int) -> list[dict]:
+    path = out / f"writes-{rank}.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def test_zero3_dump_in_small_buckets_equals_the_unsharded_weights(tiny_model, tmp_path):
+    result = launch(tiny_model, tmp_path, "dump")
     assert result.returncode == 0, result.stderr[-5000:]
     report = json.loads((tmp_path / "zero3.json").read_text())
     assert report["stage"] == 3
     assert report["local_numel"] == 0 < report["full_numel"]  # every parameter really was partitioned
-    assert report["error"] is None and report["manifest"]
-    assert report["same_keys"] and report["max_diff"] == 0.0  # learning rate 0: the gathered dump is the original
+    assert report["keys"] and report["max_diff"] == 0.0  # learning rate 0: the gathered dump is the original
+    dump = Path(report["path"])
+    check_manifest(dump, checksums=False)
+    index = json.loads((dump / INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    # buckets of 20 kB, smaller than one layer: many shards, every one written by exactly one of the two ranks
+    assert len(shards) > 2 * 2 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
+    by_rank = [{w["shard"] for w in writes(tmp_path, rank)} for rank in (0, 1)]
+    assert by_rank[0] and by_rank[1] and by_rank[0] | by_rank[1] == set(shards) and not by_rank[0] & by_rank[1]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in load_file(
+        str(tiny_model / "model.safetensors")).values())
+    # rank 1 failing to write (its disk full) stops both ranks with the same message, and nothing is published
+    failures = [(tmp_path / f"failed-{rank}.txt").read_text() for rank in (0, 1)]
+    assert failures[0] == failures[1]
+    assert failures[0].startswith(f"could not write the weight dump {dump.parent / 'step-2'} (model-00002-of-")
+    assert "rank 1): no space left on device" in failures[0]
+    assert not (dump.parent / "step-2").exists() and [p.name for p in dump.parent.iterdir()] == ["step-1"]
+    # transformers reads the sharded dump as it is
+    original = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    reloaded = AutoModelForCausalLM.from_pretrained(dump).state_dict()
+    assert all(torch.equal(reloaded[k], original[k]) for k in original)
+
+
+def test_rank_killed_mid_dump_publishes_nothing_and_the_next_run_resumes(tiny_model, server, tmp_path):
+    killed = launch(tiny_model, tmp_path, "train", server.url, env={"KILL_RANK_1_AT_STEP": "2"})
+    assert killed.returncode != 0
+    assert [w["dump"].split(".tmp-")[0] for w in writes(tmp_path, 1)][-1] == ".step-2"  # died inside step 2's dump
+    weights = tmp_path / "weights"
+    assert not (weights / "step-2").exists()  # nothing published ...
+    (leftover,) = weights.glob(".step-2.tmp-*")  # ... the half-written dump is a hidden temporary directory
+    assert (tmp_path / "checkpoint-1").is_dir() and not (tmp_path / "checkpoint-2").exists()
+    client = SGLangClient(server.url)
+    assert client.weight_version() == "1"
+
+    resumed = launch(tiny_model, tmp_path, "train", server.url)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert json.loads((tmp_path / "zero3.json").read_text())["global_step"] == 3
+    assert "a weight dump a crash left unfinished" in resumed.stderr and str(leftover) in resumed.stderr
+    assert not list(weights.glob(".*")) and client.weight_version() == "3"
+    log = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log][-2:] == [2, 3]
+    check_manifest(weights / "step-3", checksums=True)
+    restore_default_weights(server.url, tiny_model)

@@ -1,7 +1,20 @@
 """Run by test_zero3.py under `accelerate launch` (2 CPU processes): DeepSpeed ZeRO-3 with every parameter
-partitioned, one training step at learning rate 0, then a weight dump; rank 0 writes what it checked."""
+partitioned, weight dumps in buckets smaller than one layer. Each rank records the shards it wrote in
+`<output_dir>/writes-<rank>.json`; rank 0 writes what it checked in `<output_dir>/zero3.json`.
 
+    python -m tests.zero3_dump MODEL OUTPUT_DIR dump        one step at learning rate 0, then one dump
+    python -m tests.zero3_dump MODEL OUTPUT_DIR train URL   3 steps against the server at URL, a checkpoint every
+                                                            step, resuming from the last one when there is one
+
+Faults injected by the test, named as such: in `dump` mode, a second dump (step 2) in which rank 1's first shard
+write raises ENOSPC (each rank writes the error it got to `<output_dir>/failed-<rank>.txt`); with
+`KILL_RANK_1_AT_STEP=N`, rank 1 kills itself (SIGKILL) right after writing its first shard of the dump of step N.
+"""
+
+import errno
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -10,26 +23,63 @@ import deepspeed
 deepspeed.init_distributed(dist_backend="gloo")  # on CPU, before transformers builds the model under zero.Init
 
 
-from safetensors.torch import load_file
+from safetensors.torch import load_file  # noqa: E402
 
-from open_r1_ext import RemoteGRPOTrainer
-from tests.helpers import reward_len, tiny_config, tiny_dataset
+from open_r1_ext import RemoteGRPOTrainer  # noqa: E402
+from open_r1_ext.trainer import weight_sync  # noqa: E402
+from open_r1_ext.weight_files import read_weight_dir  # noqa: E402
+from tests.helpers import reward_len, tiny_config, tiny_dataset  # noqa: E402
 
-model, output_dir = sys.argv[1], Path(sys.argv[2])
+BUCKET_MB = 0.02  # 20 kB: the tiny model's layers hold ~160 kB, its largest tensor 77 kB (a bucket of its own)
+model, output_dir, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+rank = int(os.environ["RANK"])
 zero3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
          "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
-args = tiny_config(output_dir, max_steps=1, per_device_train_batch_size=2, deepspeed=zero3, beta=0.0, learning_rate=0.0)
-trainer = RemoteGRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
-trainer.train()
-local = sum(p.numel() for p in trainer.model.parameters())
-full = sum(p.ds_numel for p in trainer.model.parameters())
-path, error = trainer.weight_sync.dump(trainer.model, 1)
-if trainer.accelerator.is_main_process:
-    dumped, original = load_file(str(path / "model.safetensors")), load_file(str(Path(model) / "model.safetensors"))
-    report = {
-        "stage": trainer.model_wrapped.zero_optimization_stage(), "local_numel": local, "full_numel": full,
-        "error": error, "same_keys": sorted(set(original) - set(dumped)) == [],
-        "max_diff": max((dumped[k] - original[k]).abs().max().item() for k in original),
-        "manifest": (path / "manifest.json").is_file(),
-    }
-    (output_dir / "zero3.json").write_text(json.dumps(report))
+writes = []
+write_shard = weight_sync.write_shard
+kill_at = os.environ.get("KILL_RANK_1_AT_STEP")
+
+
+def recording_write_shard(path, tensors, durable=False):
+    if rank == 1 and path.parent.name.startswith(".step-2.tmp-") and mode == "dump":
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))  # injected fault: rank 1's disk is full
+    written = write_shard(path, tensors, durable)
+    writes.append({"dump": path.parent.name, "shard": path.name})
+    (output_dir / f"writes-{rank}.json").write_text(json.dumps(writes))
+    if kill_at is not None and rank == 1 and path.parent.name.startswith(f".step-{kill_at}.tmp-"):
+        os.kill(os.getpid(), signal.SIGKILL)  # injected fault: this rank dies in the middle of the dump
+    return written
+
+
+weight_sync.write_shard = recording_write_shard
+if mode == "dump":
+    args = tiny_config(output_dir, max_steps=1, per_device_train_batch_size=2, deepspeed=zero3, beta=0.0,
+                       learning_rate=0.0, bucket_mb=BUCKET_MB)
+    trainer = RemoteGRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    trainer.train()
+    local = sum(p.numel() for p in trainer.model.parameters())
+    full = sum(p.ds_numel for p in trainer.model.parameters())
+    path = trainer.weight_sync.dump(trainer.model, 1)
+    if trainer.accelerator.is_main_process:
+        dumped, original = read_weight_dir(path), load_file(str(Path(model) / "model.safetensors"))
+        report = {
+            "stage": trainer.model_wrapped.zero_optimization_stage(), "local_numel": local, "full_numel": full,
+            "keys": sorted(dumped) == sorted(original),
+            "max_diff": max((dumped[k] - original[k]).abs().max().item() for k in original),
+            "path": str(path),
+        }
+        (output_dir / "zero3.json").write_text(json.dumps(report))
+    try:
+        trainer.weight_sync.dump(trainer.model, 2)
+        failure = "no error"
+    except weight_sync.WeightDumpError as err:
+        failure = str(err)
+    (output_dir / f"failed-{rank}.txt").write_text(failure)
+else:
+    args = tiny_config(output_dir, max_steps=3, per_device_train_batch_size=2, deepspeed=zero3, beta=0.0,
+                       generation_url=sys.argv[4], bucket_mb=BUCKET_MB, save_strategy="steps", save_steps=1,
+                       learning_rate=5e-3)
+    trainer = RemoteGRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    trainer.train(resume_from_checkpoint=any(output_dir.glob("checkpoint-*")) or None)
+    if trainer.accelerator.is_main_process:
+        (output_dir / "zero3.json").write_text(json.dumps({"global_step": trainer.state.global_step}))

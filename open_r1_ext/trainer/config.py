@@ -11,6 +11,7 @@ from typing import Optional, Union
 from trl import GRPOConfig
 
 from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT
+from open_r1_ext.trainer.weight_sync import DEFAULT_BUCKET_MB
 
 GENERATION_BACKENDS = ("sglang", "openai")
 SYNC = {"section": "sync"}  # field metadata: the field belongs in a recipe's `sync:` section (open_r1_ext.launch.recipe)
@@ -79,6 +80,10 @@ class RemoteGRPOConfig(GRPOConfig):
             to `<output_dir>/weights`.
         keep_last_dumps (`int`, *optional*, defaults to `2`):
             Dumps kept on disk; older ones are deleted once a server confirmed a newer one. 0 keeps all.
+        bucket_mb (`float`, *optional*, defaults to `1024.0`):
+            A dump walks the policy in buckets of at most this many MB (10^6 bytes), each written as one safetensors
+            shard; under DeepSpeed ZeRO-3 only one bucket is gathered at a time, so a dump needs about one bucket of
+            extra memory per process, whatever the model's size. With N processes each writes every N-th shard.
         max_weight_staleness (`int`, *optional*, defaults to `0`):
             When a reload fails after its retries, training stops (0) unless the generation weights are at most this
             many steps old, in which case it goes on with a warning.
@@ -140,6 +145,11 @@ class RemoteGRPOConfig(GRPOConfig):
         default=None, metadata={"help": "Shared directory for weight dumps; default <output_dir>/weights.", **SYNC}
     )
     keep_last_dumps: int = field(default=2, metadata={"help": "Weight dumps kept on disk (0: all).", **SYNC})
+    bucket_mb: float = field(
+        default=DEFAULT_BUCKET_MB,
+        metadata={"help": "Dumps gather (ZeRO-3) and write the policy in buckets of at most this many MB, one shard each.",
+                  **SYNC},
+    )
     max_weight_staleness: int = field(
         default=0, metadata={"help": "After a failed reload, go on if generation weights are at most this many steps old.", **SYNC}
     )
@@ -200,6 +210,8 @@ class RemoteGRPOConfig(GRPOConfig):
         for name in ("weight_sync_steps", "keep_last_dumps", "max_weight_staleness"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb}: must be > 0 (MB per shard of a weight dump)")
         if self.ref_model_sync_steps is not None and self.ref_model_sync_steps < 1:
             raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps}: must be >= 1")
         if self.sync_dir is None:

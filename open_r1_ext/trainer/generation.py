@@ -218,9 +218,7 @@ class AsyncRemoteGeneration(RemoteGeneration):
     def sync_weights(self, step: int, references: list[SyncTarget]) -> None:
         """Dump now; the reference servers reload now, the generation server's reload is queued on the rollout
         thread (a failure there is logged, and the staleness check of the next batches decides whether to stop)."""
-        path, error = self.weight_sync.dump(self.trainer.model, step)
-        if error is not None:
-            raise WeightSyncError(error)
+        path = self.weight_sync.dump(self.trainer.model, step)  # raises WeightDumpError on every rank
         if references and (error := self.weight_sync.publish(references, path, step)) is not None:
             raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
         self.weight_sync.share_state([self.target])

@@ -82,7 +82,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self.step_timer = StepTimer(PARTS)  # its parts are narrowed to this run's once the servers are known
 
         self.weight_sync = WeightSync(self.accelerator, args.sync_dir, args.keep_last_dumps,
-                                      f"{args.output_dir}/weight_sync.jsonl", targets=[])
+                                      f"{args.output_dir}/weight_sync.jsonl", targets=[], bucket_mb=args.bucket_mb)
         self.ref_client = server_client(args, args.ref_model_url) if remote_reference else None
         self.reference_target = None
         if remote_reference:

@@ -1,9 +1,12 @@
 """Weight sync: dump the policy atomically to a shared directory and have servers reload it.
 
-Every rank calls `WeightSync.sync` (gathering parameters under DeepSpeed ZeRO-3 is collective); the main process
-writes `<sync_dir>/step-<N>/` (merged LoRA, safetensors + config + manifest, see `weight_files.write_weight_dir`),
-calls `/update_weights_from_disk` on each target server, and checks the version it then reports. The outcome is
-broadcast, so every rank stops together on a failure instead of hanging at a barrier.
+Every rank calls `WeightSync.sync`. The dump `<sync_dir>/step-<N>/` is a sharded transformers directory
+(`model-0000k-of-0000n.safetensors`, its index, config, manifest; merged LoRA): the policy is walked in buckets of
+at most `bucket_mb` (gathered bucket by bucket under DeepSpeed ZeRO-3, a collective), each bucket one shard, and
+every rank writes its share of the shards into one temporary directory; the main process publishes it (one rename,
+see `weight_files`) once all are written, calls `/update_weights_from_disk` on each target server and checks the
+version it then reports. Outcomes are shared, so every rank stops together, with the same message, on a failure
+anywhere, instead of hanging at a barrier; a failed dump is removed, never published.
 
 The dump is published (renamed into place) before it is sealed. Once the servers confirmed it, a background thread
 seals it (checksums into its manifest, fsync) while training goes on, not during the reload (a concurrent flush
@@ -19,23 +22,39 @@ import json
 import logging
 import math
 import shutil
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
-from open_r1_ext.weight_files import WeightFileError, check_manifest, seal_weight_dir, write_weight_dir
+from open_r1_ext.sglang_client import ServerError, SGLangClient
+from open_r1_ext.weight_files import (WeightFileError, check_manifest, is_disk_full, publish, remove_temporary_dirs,
+                                      seal_weight_dir, shard_name, temporary_dir, write_index, write_shard)
 
 logger = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
+DEFAULT_BUCKET_MB = 1024.0  # `sync.bucket_mb` (RemoteGRPOConfig.bucket_mb)
 
 
 class WeightSyncError(ServerError):
     """A server did not take new weights; training stops rather than sample from stale ones."""
+
+
+class WeightDumpError(WeightSyncError):
+    """A weight dump could not be written (e.g. the disk is full); nothing of it was published."""
+
+
+def describe_write_error(path: Path, error: BaseException, where: str = "") -> str:
+    """One line for a failed dump: the path, 'no space left on device' when that is the cause, the error."""
+    place = f"{path} ({where})" if where else str(path)
+    if is_disk_full(error):
+        return (f"could not write the weight dump {place}: no space left on device ({type(error).__name__}: {error}); "
+                f"free space under {path.parent} or set sync.sync_dir to a larger file system")
+    return f"could not write the weight dump {place}: {type(error).__name__}: {error}"
 
 
 @dataclass
@@ -53,34 +72,111 @@ class SyncTarget:
         return str(step) if self.role == "generation" else f"ref-{step}"
 
 
-def policy_state_dict(accelerator, model) -> Optional[dict[str, torch.Tensor]]:
-    """The full policy weights on CPU (main process; None elsewhere): gathered under ZeRO-3, LoRA merged."""
-    unwrapped = accelerator.unwrap_model(model)
-    gather = contextlib.nullcontext()
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:
-        import deepspeed
+@dataclass
+class Bucket:
+    """Consecutive tensors of the policy that are gathered and written together, as one shard of the dump."""
 
-        gather = deepspeed.zero.GatheredParameters(list(unwrapped.parameters()), modifier_rank=None)
-    with gather:
-        if not accelerator.is_main_process:
+    names: list[str]  # the names the model holds them under
+    nbytes: int
+
+
+class PolicyWeights:
+    """The policy's tensors under the names a server loads, read one bucket at a time.
+
+    Buckets hold at most `bucket_bytes` (a tensor larger than that is a bucket of its own). Under DeepSpeed ZeRO-3
+    `gathered(bucket)` gathers only that bucket's parameters, a collective every rank enters in the same order;
+    otherwise every rank holds every weight and reads its buckets alone. With PEFT the served tensors are the base
+    model's, LoRA merged in (base weight + each active adapter's delta, computed aside: the model is not touched).
+    """
+
+    def __init__(self, accelerator, model, bucket_bytes: int):
+        unwrapped = accelerator.unwrap_model(model)
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        self.zero3 = plugin is not None and plugin.zero_stage == 3
+        self.peft = hasattr(unwrapped, "get_base_model")
+        self.model = unwrapped.get_base_model() if self.peft else unwrapped
+        self.tensors = self._tensors()
+        self.buckets = self._plan(bucket_bytes)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters (a tied one once) and persistent buffers, by the name the model holds them under; LoRA's own
+        parameters and the frozen originals of `modules_to_save` are not served."""
+        ignored = set(getattr(self.model, "_keys_to_ignore_on_save", None) or ())
+        tensors = {name: param for name, param in self.model.named_parameters()
+                   if not (self.peft and ("lora_" in name or ".original_module." in name))}
+        for module_name, module in self.model.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    tensors[f"{module_name}.{name}" if module_name else name] = buffer
+        return {name: tensor for name, tensor in tensors.items() if name not in ignored}
+
+    def _nbytes(self, tensor: torch.Tensor) -> int:
+        return getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()
+
+    def _plan(self, bucket_bytes: int) -> list[Bucket]:
+        buckets: list[Bucket] = []
+        for name, tensor in self.tensors.items():
+            size = self._nbytes(tensor)
+            if not buckets or (buckets[-1].nbytes + size > bucket_bytes and buckets[-1].names):
+                buckets.append(Bucket([], 0))
+            buckets[-1].names.append(name)
+            buckets[-1].nbytes += size
+        return buckets
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def _lora_layer(self, name: str):
+        """The LoRA layer whose frozen base weight `name` is, or None."""
+        if not self.peft or ".base_layer." not in name:
             return None
-        if hasattr(unwrapped, "merge_adapter"):  # PEFT: serve the merged weights under the base model's names
-            unwrapped.merge_adapter()
-            try:
-                return {
-                    k.replace("base_model.model.", "").replace(".base_layer", ""): v.detach().cpu().clone()
-                    for k, v in unwrapped.state_dict().items()
-                    if "lora_" not in k and "modules_to_save" not in k
-                }
-            finally:
-                unwrapped.unmerge_adapter()
-        return {k: v.detach().cpu().clone() for k, v in unwrapped.state_dict().items()}
+        return self.model.get_submodule(name.rsplit(".base_layer.", 1)[0])
+
+    @contextlib.contextmanager
+    def gathered(self, bucket: Bucket, read: bool) -> Iterator[dict[str, torch.Tensor]]:
+        """The bucket's tensors on CPU under their served names (when `read`; else `{}`), gathered under ZeRO-3 for
+        the time of the block (every rank enters it, reading or not)."""
+        layers = {name: self._lora_layer(name) for name in bucket.names}
+        gather = contextlib.nullcontext()
+        if self.zero3:
+            import deepspeed
+
+            params = [self.tensors[n] for n in bucket.names if isinstance(self.tensors[n], torch.nn.Parameter)]
+            params += [p for layer in layers.values() if layer is not None
+                       for n, p in layer.named_parameters() if "lora_" in n]
+            gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        with gather, torch.no_grad():
+            if not read:
+                yield {}
+                return
+            from transformers.core_model_loading import revert_weight_conversion
+
+            # the checkpoint's names and layout where transformers converts on load (e.g. fused experts); else as is
+            yield revert_weight_conversion(self.model, {served_name(name): self._served(self.tensors[name], layers[name])
+                                                        for name in bucket.names})
+
+    @staticmethod
+    def _served(tensor: torch.Tensor, layer) -> torch.Tensor:
+        if layer is not None and not layer.merged:
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    tensor = tensor + layer.get_delta_weight(adapter)
+        return tensor.detach().to("cpu").contiguous()
 
 
-def saveable_model(accelerator, model):
-    unwrapped = accelerator.unwrap_model(model)
-    return unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+def shard_writer(index: int, world: int) -> int:
+    """The rank that writes shard `index` of a dump among `world` processes: round robin."""
+    return index % world
+
+
+def served_name(name: str) -> str:
+    """A PEFT model's name of a base tensor as the base model's checkpoint names it (others are unchanged)."""
+    name = name.replace(".base_layer.", ".")
+    if ".modules_to_save." in name:  # `x.modules_to_save.<adapter>.weight` is the trained copy of `x.weight`
+        head, tail = name.split(".modules_to_save.", 1)
+        name = f"{head}.{tail.split('.', 1)[1]}"
+    return name
 
 
 def epochs_crossed(previous_epoch: float, epoch: float, every: float) -> bool:
@@ -93,24 +189,29 @@ class WeightSync:
     """Dumps and pushes the policy to servers; see the module docstring."""
 
     def __init__(self, accelerator, sync_dir: str, keep_last_dumps: int, log_path: str, targets: list[SyncTarget],
-                 reload_attempts: int = 3):
+                 reload_attempts: int = 3, bucket_mb: float = DEFAULT_BUCKET_MB):
         self.accelerator = accelerator
         self.targets = targets
         self.sync_dir = Path(sync_dir)
         self.keep_last_dumps = keep_last_dumps
         self.log_path = Path(log_path)
         self.reload_attempts = reload_attempts
+        self.bucket_bytes = max(1, int(bucket_mb * 1e6))
+        self._durable_writes: Optional[bool] = None  # fsync each shard where it is written: see `_writes_durable`
         # main process: each confirmed dump's seal, then its log entries and pruning, in order
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="open_r1_ext-weight-seal")
         self._pending: list[Future] = []
         self._seals: dict[Path, Future] = {}  # the seals still running, for `repush`
         self._logged: Optional[set[tuple[int, str]]] = None  # (step, role) in the log, read once by the first seal
+        if accelerator.is_main_process:
+            for leftover in remove_temporary_dirs(self.sync_dir):
+                logger.warning("removed %s: a weight dump a crash left unfinished (it was never published)", leftover)
 
     # ------------------------------------------------------------ collective
     def sync(self, model, step: int, targets: list[SyncTarget]) -> Optional[str]:
-        """Dump the policy at `step` and push it to `targets`; every rank calls it. Returns None or the error."""
-        path, error = self.dump(model, step)
-        return error if error is not None else self.publish(targets, path, step)
+        """Dump the policy at `step` and push it to `targets`; every rank calls it. Returns None or the reload's error
+        (a dump that cannot be written raises `WeightDumpError`)."""
+        return self.publish(targets, self.dump(model, step), step)
 
     def publish(self, targets: list[SyncTarget], path: Path, step: int) -> Optional[str]:
         """Have `targets` reload the dump `path` now; every rank calls it. Returns None or the error."""
@@ -125,24 +226,93 @@ class WeightSync:
             self.confirm(targets, path, step)
         return error
 
-    def dump(self, model, step: int) -> tuple[Path, Optional[str]]:
-        """Write `<sync_dir>/step-<step>` (every rank calls; the main process writes); returns it and any error."""
-        state_dict = policy_state_dict(self.accelerator, model)
+    def dump(self, model, step: int) -> Path:
+        """Write `<sync_dir>/step-<step>` and return it; every rank calls it, and every rank writes its share of the
+        shards (shard k by rank k mod N) into one temporary directory the main process publishes once all are
+        written. On a failure anywhere, every rank raises the same `WeightDumpError` and nothing is published."""
         path = self.sync_dir / f"{STEP_PREFIX}{step}"
-        error = None
+        tmp, error = None, None
         if self.accelerator.is_main_process:
             try:
                 self.wait_durable()  # one dump at a time in flight to the disk; a failed seal surfaces here
-                self._write(model, state_dict, path)
             except (OSError, WeightFileError) as err:
-                error = f"could not write the weight dump {path} to disk: {err}"
-        return path, self.broadcast_from_main(error)
+                error = f"a weight dump did not reach the disk (its seal failed): {err}"
+            try:
+                tmp = temporary_dir(path) if error is None else None
+            except OSError as err:
+                error = describe_write_error(path, err)
+        tmp, error = self.broadcast_from_main((tmp, error))
+        weights = PolicyWeights(self.accelerator, model, self.bucket_bytes)
+        written, error = ({}, error) if error is not None else self._write_shards(weights, tmp, path)
+        outcomes = self.gather([(written, error)])
+        if self.accelerator.is_main_process:
+            error = next((e for _, e in outcomes if e is not None), None)
+            try:
+                if error is None:
+                    self._finish(model, weights, tmp, path, {k: v for w, _ in outcomes for k, v in w.items()})
+            except Exception as err:  # noqa: BLE001
+                error = describe_write_error(path, err)
+            if error is not None and tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays on a full disk
+        error = self.broadcast_from_main(error)
+        if error is not None:
+            raise WeightDumpError(f"{error}\nStopping at step {step}: the servers keep the weights they have.")
+        return path
+
+    def _write_shards(self, weights: PolicyWeights, tmp: Path, path: Path) -> tuple[dict[str, str], Optional[str]]:
+        """Write this rank's shards of `weights` into `tmp`: the tensor -> shard map and None, or what failed. Under
+        ZeRO-3 every bucket is gathered on every rank (a collective), also after a failure here."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        durable = self._writes_durable()
+        written, error = {}, None
+        for index, bucket in enumerate(weights.buckets):
+            mine = shard_writer(index, world) == rank
+            if not mine and not weights.zero3:
+                continue
+            with weights.gathered(bucket, read=mine and error is None) as tensors:
+                if not tensors:
+                    continue
+                name = shard_name(index, len(weights.buckets))
+                try:
+                    write_shard(tmp / name, tensors, durable=durable)
+                except Exception as err:  # noqa: BLE001 - SafetensorError, OSError, ...: the dump fails, cleanly
+                    error = describe_write_error(path, err, f"{name}, rank {rank}")
+                    continue
+                written.update(dict.fromkeys(tensors, name))
+        return written, error
+
+    def _finish(self, model, weights: PolicyWeights, tmp: Path, path: Path, weight_map: dict[str, str]) -> None:
+        """Main process, once every shard is written: index, config files, manifest, rename."""
+        base = weights.model
+        write_index(tmp, weight_map, weights.nbytes)
+        base.config.dtype = str(base.dtype).split(".")[1]  # as save_pretrained records them
+        base.config.architectures = [type(base).__name__]
+        base.config.save_pretrained(tmp)
+        if getattr(base, "generation_config", None) is not None and base.can_generate():
+            base.generation_config.save_pretrained(tmp)
+        publish(tmp, path)
+
+    def _writes_durable(self) -> bool:
+        """Whether this rank fsyncs its shards as it writes them: only off the main process's machine (the main
+        process's seal fsyncs every file through its own page cache, which holds what its machine's ranks wrote,
+        not what another machine's did). Asked once, collectively."""
+        if self._durable_writes is None:
+            self._durable_writes = self.broadcast_from_main(socket.gethostname()) != socket.gethostname()
+        return self._durable_writes
 
     def share_state(self, targets: list[SyncTarget]) -> None:
         """Give every rank the main process's view of what each server last confirmed."""
         views = self.broadcast_from_main([(t.version, t.path, t.step) for t in targets])
         for target, (version, path, step) in zip(targets, views):
             target.version, target.path, target.step = version, path, step
+
+    def gather(self, values: list) -> list:
+        """Every rank's `values`, concatenated in rank order, on every rank."""
+        if self.accelerator.num_processes == 1:
+            return values
+        from accelerate.utils import gather_object
+
+        return gather_object(values)
 
     def broadcast_from_main(self, value):
         if self.accelerator.num_processes == 1:
@@ -154,16 +324,6 @@ class WeightSync:
         return box[0]
 
     # -------------------------------------------------------------- main only
-    def _write(self, model, state_dict, path: Path) -> None:
-        from transformers.utils import logging as hf_logging
-
-        target = saveable_model(self.accelerator, model)
-        hf_logging.disable_progress_bar()  # one "Writing model shards" bar per step is noise in a training log
-        try:
-            write_weight_dir(path, lambda tmp: target.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True))
-        finally:
-            hf_logging.enable_progress_bar()
-
     def push_all(self, targets: list[SyncTarget], path: Path, step: int) -> None:
         for target in targets:
             self.push(target, path, target.version_for(step))
@@ -194,9 +354,7 @@ class WeightSync:
         return future
 
     def push(self, target: SyncTarget, path: Path, version: str) -> None:
-        """Have `target` reload `path` and confirm `version`, else `WeightSyncError`. Retried only while the server
-        answers (a refusal, another version); a server that does not answer has had the client's whole retry budget
-        (`sglang_client.DEFAULT_MAX_RETRIES`), which is not spent again here."""
+        """Have `target` reload `path` and confirm `version`; retried, then `WeightSyncError`."""
         extra = {} if target.mixup_alpha in (None, 1.0) else {"mixup_alpha": target.mixup_alpha}
         last = None
         for attempt in range(1, self.reload_attempts + 1):
@@ -206,10 +364,8 @@ class WeightSync:
                 if reported == version:
                     return
                 last = f"the server reports weight_version {reported!r}, expected {version!r}"
-            except ServerRequestError as err:
-                last = str(err)
             except ServerError as err:
-                raise WeightSyncError(f"the {target.role} server did not take the new weights: {err}") from err
+                last = str(err)
             logger.warning("%s server: reload of %s failed (attempt %d/%d): %s", target.role, path, attempt, self.reload_attempts, last)
             if attempt < self.reload_attempts:
                 time.sleep(float(attempt))

@@ -311,6 +311,11 @@ def _valid_requests():
         reqs.append(("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}))
         reqs.append(("/v1/completions", {"prompt": prompt, "max_tokens": 3, "seed": 100 + i, "n": 2, "logprobs": 0,
                                          "return_tokens_as_token_ids": True}))
+        reqs.append(("/generate", {"text": f"prompt {i}", "sampling_params": {"max_new_tokens": 3, "temperature": 0,
+                                   "stop": ["zz"], "logit_bias": {str(i): 2.0}}, "return_logprob": True,
+                                   "logprob_start_len": 0, "top_logprobs_num": 2, "token_ids_logprob": [1, i]}))
+        reqs.append(("/v1/completions", {"prompt": f"prompt {i}", "max_tokens": 3, "temperature": 0, "echo": True,
+                                         "logprobs": 2, "return_token_ids": True}))
     return reqs
 
 

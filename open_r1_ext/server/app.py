@@ -413,7 +413,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                 inputs = prompt_inputs(prompts, want, starts, tops, token_ids, obj.return_text_in_logprobs, scored, details)
                 per_task = [inputs[p] for p, n in enumerate(copies) for _ in range(n)]
                 sent = [0] * len(tasks)
-                async for index, n in stream_tasks(tasks):
+                async for index, n in stream_tasks(tasks, request):
                     ask, rid = outputs_of[index]
                     out = generate_output(engine, tasks[index], ask, per_task[index], rid, n,
                                           since=sent[index] if incremental else 0)
@@ -423,7 +423,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                     yield sse(out)
                 yield SSE_DONE
 
-            return StreamingResponse(chunks(), media_type="text/event-stream")
+            return StreamingResponse(ending_with_error_event(chunks()), media_type="text/event-stream")
 
         scored, details = await run(tasks, to_score, detailed, request)
         inputs = prompt_inputs(prompts, want, starts, tops, token_ids, obj.return_text_in_logprobs, scored, details)
@@ -432,15 +432,17 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         # orjson straight to bytes: FastAPI's own path would validate and serialise thousands of entries again.
         return Response(orjson.dumps(outputs if many else outputs[0]), media_type="application/json")
 
-    async def stream_tasks(tasks: list[GenerationTask]):
+    async def stream_tasks(tasks: list[GenerationTask], request: Request):
         """Run `tasks`, yielding `(index, tokens so far)` after every sampled token, and once more for each task whose
-        end was not yet sent. A client that goes away aborts what is left."""
+        end was not yet sent. A client that goes away aborts what is left; a failed batch ends the stream with an
+        error event (the answer's status, 200, is sent by then)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         for index, task in enumerate(tasks):
             task.on_token = lambda t, i=index: loop.call_soon_threadsafe(events.put_nowait, (i, len(t.output_ids)))
         in_flight.update(tasks)
         future = batcher.generate(tasks)
+        _handed_in(request)
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
         sent_end = [False] * len(tasks)
         try:
@@ -448,7 +450,8 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                 index, n = event
                 sent_end[index] = tasks[index].finish is not None and n >= len(tasks[index].output_ids)
                 yield index, n
-            future.result()  # a failed batch: its error ends the stream
+            if future.exception() is not None:
+                raise StreamFailed(str(future.exception()))
             for index, task in enumerate(tasks):
                 if not sent_end[index]:
                     yield index, len(task.output_ids)
@@ -510,7 +513,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                                        [None] * len(prompts), False, scored, details)
                 sent = [0] * len(tasks)
                 text_sent = [0] * len(tasks)
-                async for index, count in stream_tasks(tasks):
+                async for index, count in stream_tasks(tasks, request):
                     task = tasks[index]
                     choice = completion_choice(engine, index, task, ask, echo_text(index), inputs[index // n],
                                                start=sent[index], count=count, text_from=text_sent[index])
@@ -522,7 +525,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                     yield sse(body([], usage=usage(prompts, tasks)))
                 yield SSE_DONE
 
-            return StreamingResponse(chunks(), media_type="text/event-stream")
+            return StreamingResponse(ending_with_error_event(chunks()), media_type="text/event-stream")
 
         scored, details = await run(tasks, to_score, detailed, request)
         inputs = prompt_inputs(prompts, [echo_logprobs] * len(prompts), [0] * len(prompts), [top] * len(prompts),
@@ -531,6 +534,20 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         return Response(orjson.dumps(body(choices, usage=usage(prompts, tasks))), media_type="application/json")
 
     return app
+
+
+class StreamFailed(RuntimeError):
+    """The batch of a streamed request failed after its answer began."""
+
+
+async def ending_with_error_event(chunks):
+    """A stream's events; if its work fails, an error event and `[DONE]` end it, as SGLang ends a failed stream."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except StreamFailed as err:
+        yield sse({"error": {"message": str(err), "type": "internal_error", "code": 500}})
+        yield SSE_DONE
 
 
 def top_of(ask: GenerateAsk) -> int:

@@ -1,6 +1,6 @@
 """`make demo`'s recipe (recipes/tiny/grpo.yaml) learns where anyone can see it, its output stays to one line per step,
 and `status` / `plot` read the finished run: the real path (embedded built-in server, remote reference and
-generation, weight sync every step), 20 of the recipe's 30 steps.
+generation, weight sync every step), as `make demo` runs it.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import pytest
 from open_r1_ext.launch.run_plot import DPI, FIGSIZE, PANELS
 from tests.slurm_helpers import RECIPE, REPO
 
-STEPS = 20
+STEPS = 30  # the recipe's max_steps
 
 
 @pytest.fixture(scope="module")
 def demo_run(tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("demo") / "run"
     result = subprocess.run([sys.executable, "-m", "open_r1_ext.train", "--config", RECIPE,
-                             "--set", f"model.name_or_path={tiny_model}", "--set", f"trainer.output_dir={run_dir}",
-                             "--set", f"trainer.max_steps={STEPS}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                             "--set", f"model.name_or_path={tiny_model}", "--set", f"trainer.output_dir={run_dir}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir, result
 
@@ -34,7 +34,7 @@ def test_the_demo_reward_climbs(demo_run):
     rewards = [e["reward"] for e in steps]
     assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.5, rewards  # measured: ~0.02 -> ~1.0
+    assert last > first + 0.5, rewards  # measured: 0.00-0.02 -> 0.98-0.99
     syncs = [json.loads(line) for line in (run_dir / "weight_sync.jsonl").read_text().splitlines()]
     assert [s["step"] for s in syncs if s["role"] == "generation"] == list(range(1, STEPS + 1))  # every step
 

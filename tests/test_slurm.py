@@ -50,7 +50,7 @@ def test_sglang_servers_span_nodes_and_the_trainer_gets_both_urls(tiny_model):
     serve = shell_join(plan.server_command("ref-server", node, head))
     assert serve.endswith("-m sglang.launch_server --model-path " + str(tiny_model) + " --host 0.0.0.0 --port 30001 "
                           "--tp-size 16 --dp-size 1 --dtype float32 --mem-fraction-static 0.8 --nnodes 2 --node-rank \"$SLURM_NODEID\" "
-                          "--dist-init-addr \"$HEAD_NODE\":30101 --enable-metrics")
+                          f"--dist-init-addr \"$HEAD_NODE\":30101 --config {plan.files.run_dir}/api_key.yaml --enable-metrics")
     urls = {"server": "http://a:30000", "ref-server": "http://b:30001"}
     train = plan.trainer_command(1, "node-7", urls)
     assert train[3:16] == ["--multi_gpu", "--dynamo_backend", "no", "--num_machines", 2, "--num_processes", 16,
@@ -68,7 +68,7 @@ def test_each_node_runs_its_own_command_from_the_slurm_environment(tiny_model):
     assert (ctx.job_id, ctx.node_rank, ctx.nodes, ctx.head_node, ctx.restart_count) == ("42", 1, ("gpu3", "gpu4", "gpu7"), "gpu3", 2)
     serve = node_command(plan, "ref-server", ctx, {})
     assert serve[serve.index("--node-rank") + 1] == "1" and serve[serve.index("--dist-init-addr") + 1] == "gpu3:30101"
-    assert serve[serve.index("--api-key") + 1] == "it's $ecret"
+    assert serve[serve.index("--config") + 1] == "/runs/with space/api_key.yaml" and "it's $ecret" not in serve
     train = node_command(plan, "trainer", ctx, {"server": "http://gpu9:30000", "ref-server": "http://gpu9:30001"})
     assert train[train.index("--machine_rank") + 1] == "1" and train[train.index("--main_process_ip") + 1] == "gpu3"
     assert train[-4:] == ["--server-url", "http://gpu9:30000", "--ref-url", "http://gpu9:30001"]
@@ -168,11 +168,9 @@ def test_a_server_that_never_comes_up_fails_the_trainer_naming_the_server_job(sl
 
 
 def test_invalid_recipe_submits_nothing(slurm_cluster, tiny_run):
-    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()
     result = run_script("bash", "slurm/grpo.slurm", RECIPE, *tiny_run.set_args, "--set", "trainer.max_stepz=4")
     assert result.returncode != 0
     assert "trainer.max_stepz: unknown key (did you mean 'max_steps'?)" in result.stderr
     assert "nothing started" in result.stderr
-    after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()
-    assert set(after) <= set(before) and not tiny_run.jobs()
+    assert not tiny_run.jobs()  # (the queue as a whole may hold other users' jobs meanwhile)
     assert not tiny_run.run_dir.exists()

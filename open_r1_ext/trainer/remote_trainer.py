@@ -26,7 +26,7 @@ from open_r1_ext.trainer.generation import remote_generation, server_client
 from open_r1_ext.trainer.reference_prefetch import ReferencePrefetch
 from open_r1_ext.trainer.step_timing import PARTS, StepTimer, StepTimingCallback
 from open_r1_ext.trainer.stop_signal import StopOnSignal
-from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, epochs_crossed
+from open_r1_ext.trainer.weight_sync import SyncTarget, WeightDumpError, WeightSync, WeightSyncError, epochs_crossed
 
 logger = logging.getLogger(__name__)
 # TRL's `vllm_mode` while remote generation stands in for vLLM: neither "colocate" nor "server", so no TRL code path
@@ -273,11 +273,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
         try:
             result = super().train(*args, **kwargs)
         except ServerError as err:
-            checkpoint = self._save_resumable_checkpoint()
-            err.args = (
-                f"{err}\nTraining stopped at step {self.state.global_step}. A checkpoint to resume from is in {checkpoint} "
-                "(run the same command again once the server is back: open-r1-ext train resumes from it).",
-            )
+            err.args = (f"{err}\n{self._stop_after_failure(err)}",)
             raise
         finally:
             self.stop_signal.uninstall()
@@ -292,6 +288,20 @@ class RemoteGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         self.weight_sync.wait_durable()  # a checkpoint never runs ahead of the weight-sync log its resume reads
         return super()._save_checkpoint(model, trial)
+
+    def _stop_after_failure(self, err: ServerError) -> str:
+        """After a server or weight-dump failure: log the metrics of a step that finished but was not logged yet (its
+        sync failed), save a checkpoint if a step finished, and say what to do next (the cause decides when)."""
+        step, history = self.state.global_step, self.state.log_history
+        if self._metrics["train"] and (not history or history[-1].get("step", -1) < step):
+            self.log({})
+        checkpoint = self._save_resumable_checkpoint() if step > 0 else None
+        when = ("once the dump can be written (see the first line)" if isinstance(err, WeightDumpError)
+                else "once the server answers again (see its log)")
+        if checkpoint is None:
+            return f"Training stopped at step {step}, with no checkpoint; run the same command again {when}."
+        return (f"Training stopped at step {step}. A checkpoint to resume from is in {checkpoint}: run the same command "
+                f"again {when}.")
 
     def _save_resumable_checkpoint(self) -> Optional[str]:
         try:

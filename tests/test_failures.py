@@ -1,0 +1,88 @@
+"""How training ends when a server fails, told as one story: a short message (what failed, which server, what to run
+next), the traceback in a file, the failing step's metrics logged, a checkpoint to resume from; and one retry budget
+per failure (a reload does not multiply the client's retries). Real server processes and the real tiny model."""
+
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.sglang_client import SGLangClient, ServerError
+from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError
+from tests.helpers import KillServerAt, reward_len, tiny_config, tiny_dataset
+from tests.test_stop import children, start_training, step_lines, tiny_recipe
+
+
+class Unavailable(BaseHTTPRequestHandler):
+    """Answers every request 503, counting them: a stand-in for a server that keeps failing."""
+
+    calls = 0
+
+    def do_POST(self):
+        type(self).calls += 1
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_lost_server_costs_one_retry_budget_not_one_per_reload_attempt(tmp_path):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = SGLangClient(f"http://127.0.0.1:{httpd.server_port}", max_retries=2, backoff_factor=0.0)
+        sync = WeightSync(SimpleNamespace(is_main_process=True, num_processes=1), str(tmp_path / "weights"), 2,
+                          str(tmp_path / "weight_sync.jsonl"), targets=[])
+        with pytest.raises(WeightSyncError, match="the generation server did not take the new weights"):
+            sync.push(SyncTarget("generation", client), tmp_path, "1")
+        assert Unavailable.calls == 3  # the client's 1 + 2 retries, once (it was 3 reload attempts x 3 before)
+    finally:
+        httpd.shutdown()
+
+
+def test_a_failed_sync_logs_its_step_saves_a_checkpoint_and_says_what_next(tiny_model, tmp_path):
+    srv = BuiltinServer(str(tiny_model)).start()
+    killer = KillServerAt(srv, step=2)  # before the weight-sync callback: the sync of step 2 finds no server
+    args = tiny_config(tmp_path, max_steps=5, generation_url=srv.url, ref_model_url=f"{srv.url}/ref", max_retries=1)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
+                                callbacks=[killer])
+    try:
+        with pytest.raises(ServerError) as failed:
+            trainer.train()
+    finally:
+        killer.stop()
+    message = str(failed.value)
+    assert srv.url in message and "Training stopped at step 2. A checkpoint to resume from is in" in message
+    assert message.endswith("run the same command again once the server answers again (see its log).")
+    assert "dump" not in message  # the cause is the server, not the disk
+    assert [h["step"] for h in trainer.state.log_history if "reward" in h] == [1, 2]  # step 2's metrics not lost
+    assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()
+
+
+def test_train_ends_with_a_short_message_and_the_traceback_in_a_file(tmp_path, tiny_model):
+    recipe = tiny_recipe(tmp_path, tiny_model, max_steps=40, max_retries=1)
+    run = tmp_path / "run"
+    trainer = start_training(recipe)
+    try:
+        assert step_lines(trainer, until_step=1) == [1]
+        server = children(trainer.pid, "open_r1_ext.server")[0]
+        subprocess.run(["kill", "-9", str(server)], check=True)
+        step_lines(trainer, until_step=10**6)
+        code, err = trainer.wait(timeout=300), trainer.stderr.read()
+    finally:
+        trainer.kill()
+    assert code == 1
+    assert "Traceback" not in err, err[-3000:]
+    assert f"(traceback in {run}/traceback.log)" in err
+    assert "run the same command again once the server answers again" in err
+    assert "Traceback" in (run / "traceback.log").read_text()

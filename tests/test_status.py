@@ -83,6 +83,8 @@ def test_status_of_a_run_under_sbatch_with_nothing_activated(slurm_cluster, tiny
     assert states["trainer"] == "FAILED" and states["server"] != "RUNNING", states
     assert not final["servers"][0]["healthy"] and not final["trainer"]["finished"]
     assert any(f"trainer job {trainer}: failed" in e["message"] for e in final["events"])
+    logs = "".join((run_dir / "logs" / f"trainer-{trainer}.{stream}").read_text() for stream in ("out", "err"))
+    assert not re.search(r"(Future|Deprecation)Warning", logs), logs[-3000:]  # quiet under SLURM too
     watched = subprocess.run([sys.executable, "-m", "open_r1_ext.cli", "status", str(run_dir), "--watch", "1", "--json"],
                              capture_output=True, text=True, timeout=60)
     assert watched.returncode == 0 and len(watched.stdout.splitlines()) == 1, watched.stdout + watched.stderr

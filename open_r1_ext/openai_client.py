@@ -144,6 +144,8 @@ class OpenAICompletionsClient:
                  seeds: Optional[Sequence[int]] = None) -> list[list[Completion]]:
         """`n` completions of each prompt (prompt-major); with `seeds` (`len(prompts) * n`), copy `i` samples with
         `seeds[i]`."""
+        if not prompts:
+            return []
         abilities = self.abilities
         texts = None if abilities.token_id_prompts else self._as_text(prompts)
         if seeds is not None:  # one request per copy, each with its own seed

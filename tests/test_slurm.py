@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -174,3 +175,21 @@ def test_invalid_recipe_submits_nothing(slurm_cluster, tiny_run):
     assert "nothing started" in result.stderr
     assert not tiny_run.jobs()  # (the queue as a whole may hold other users' jobs meanwhile)
     assert not tiny_run.run_dir.exists()
+
+
+def test_scancel_of_the_trainer_saves_a_checkpoint_and_cancels_the_servers(slurm_cluster, tiny_run):
+    """SIGTERM from SLURM (scancel; a time limit sends the same) reaches the trainer, which saves the step it has
+    finished and stops within the cluster's KillWait; the trainer job then ends the run."""
+    tiny_run.overrides.append("trainer.save_strategy='no'")  # the only checkpoint: the one SIGTERM asks for
+    server, trainer = start_long_run(tiny_run)
+    subprocess.run(["scancel", trainer], check=True)
+    tiny_run.wait_for_no_jobs()
+    trainer_err = (tiny_run.run_dir / "logs" / f"trainer-{trainer}.err").read_text()
+    stopped = re.search(r"SIGTERM: stopped after step (\d+) with a checkpoint in (\S+);", trainer_err)
+    assert stopped, trainer_err[-3000:]
+    assert (Path(stopped.group(2)) / "trainer_state.json").is_file()
+    status = tiny_run.status()
+    assert f"trainer job {trainer}: SIGTERM: the trainer saves a checkpoint of its last finished step" in status
+    # the trainer job cancels its servers, or (SIGKILLed after the cluster's KillWait, 5 s here) their watchdog stops them
+    assert (f"cancelled server job(s) {server}" in status
+            or f"server job {server}: trainer job {trainer} is gone (CANCELLED); stopping the server" in status)

@@ -401,6 +401,9 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
         code = process.wait()
     except KeyboardInterrupt:
         code = SIGTERM_EXIT
+        if lead:  # said now: SLURM may SIGKILL this job (KillWait) before its end below
+            record(files, f"{me}: SIGTERM: the trainer saves a checkpoint of its last finished step and stops (given "
+                          f"up to {TRAINER_STOP_GRACE_S:.0f} s, or SLURM's KillWait)", echo)
     except LaunchError as err:
         echo(str(err))
     finally:

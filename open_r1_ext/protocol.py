@@ -62,7 +62,7 @@ UNSUPPORTED_COMPLETION_FIELDS: dict[str, Any] = {
     "stop_regex": None, "lora_path": None, "session_id": None, "session_params": None, "response_format": None,
     "custom_params": None, "custom_logit_processor": None, "watermark": None, "images_config": None,
     "mm_processor_kwargs": None, "data_parallel_rank": None, "extra_key": None, "cache_salt": None, "priority": None,
-    "custom_labels": None, "user": None,
+    "custom_labels": None,
 }
 UNSUPPORTED_RELOAD_FIELDS: dict[str, Any] = {
     "is_async": False, "torch_empty_cache": False, "keep_pause": False, "recapture_cuda_graph": False, "token_step": 0,
@@ -234,6 +234,7 @@ class CompletionRequest(_Strict):
     return_tokens_as_token_ids: StrictBool = False
     skip_special_tokens: StrictBool = True
     rid: Union[StrictStr, list[StrictStr], None] = None
+    user: Optional[StrictStr] = None  # OpenAI's end-user id: no effect on the answer (as in SGLang)
 
     @property
     def text_prompts(self) -> bool:

@@ -152,6 +152,10 @@ def test_stream_deltas_add_up_to_the_answer(keyed, tiny_model):
             for choice in chunk.choices:
                 pieces[choice.index] = pieces.get(choice.index, "") + choice.text
         assert [pieces[i] for i in range(len(whole))] == whole
+    chunks = list(client.completions.create(model=str(tiny_model), prompt="Hi", max_tokens=4, temperature=0,
+                                            stream=True, user="someone", extra_body={"rid": "my-request", "ignore_eos": True},
+                                            stream_options={"continuous_usage_stats": True}))
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3, 4] and {c.id for c in chunks} == {"my-request"}
 
 
 def test_model_list(keyed):

@@ -48,6 +48,7 @@ from open_r1_ext.protocol import (
     CompletionRequest,
     GenerateReqInput,
     SamplingParams,
+    StreamOptions,
     UpdateWeightFromDiskReqInput,
     error_body,
 )
@@ -499,7 +500,8 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                 return obj.prompt if isinstance(obj.prompt, str) else obj.prompt[i // n]
             return engine.tokenizer.decode(prompts[i // n], skip_special_tokens=True)
 
-        rid = request_id("cmpl-")
+        rid = obj.rid if isinstance(obj.rid, str) else request_id("cmpl-")  # as SGLang: a given rid is the id
+        options = obj.stream_options or StreamOptions()
         created = int(time.time())
         model = obj.model or engine.model_path
 
@@ -519,9 +521,9 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                                                start=sent[index], count=count, text_from=text_sent[index])
                     text_sent[index] += len(choice["text"]) - (len(echo_text(index)) if sent[index] == 0 else 0)
                     sent[index] = count
-                    yield sse(body([choice]))
-                options = obj.stream_options
-                if options is not None and options.include_usage:
+                    extra = {"usage": usage([task.prompt], [task], count)} if options.continuous_usage_stats else {}
+                    yield sse(body([choice], **extra))
+                if options.include_usage:
                     yield sse(body([], usage=usage(prompts, tasks)))
                 yield SSE_DONE
 

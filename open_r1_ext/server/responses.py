@@ -177,8 +177,9 @@ def completion_choice(engine: ModelEngine, index: int, task: GenerationTask, ask
     return choice
 
 
-def usage(prompts: list[list[int]], tasks: list[GenerationTask]) -> dict:
+def usage(prompts: list[list[int]], tasks: list[GenerationTask], count: Optional[int] = None) -> dict:
+    """OpenAI's `usage` (each prompt counted once, whatever `n`); `count`: the tokens out so far (a stream chunk)."""
     prompt_tokens = sum(map(len, prompts))
-    completion_tokens = sum(len(t.output_ids) for t in tasks)
+    completion_tokens = count if count is not None else sum(len(t.output_ids) for t in tasks)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

@@ -16,6 +16,7 @@ import yaml
 
 from open_r1_ext.launch.jobs import SIGTERM_EXIT
 from open_r1_ext.launch.run_key import key_file
+from tests.helpers import restore_default_weights
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,3 +136,20 @@ def test_an_embedded_server_dies_with_a_killed_trainer(tmp_path, tiny_model):
         assert gone(servers[0]), "the built-in server outlived the process that started it"
     finally:
         starter.kill()
+
+
+def test_ranks_agree_to_stop_when_only_one_got_sigterm(tiny_model, server, tmp_path):
+    """Two processes (accelerate launch, CPU, gloo); SIGTERM reaches rank 1 only: rank 0 learns it at the end of the
+    step, so both save the same checkpoint and stop, neither waits forever at a collective."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    result = subprocess.run([*launcher, "-m", "tests.stop_ranks_train", str(tiny_model), server.url, str(out)],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    ranks = [json.loads((out / f"rank-{i}.json").read_text()) for i in range(2)]
+    assert [r["stopped_at"] for r in ranks] == [r["global_step"] for r in ranks] == [3, 3]
+    assert ranks[1]["received"] == "SIGTERM" and ranks[0]["received"] is not None
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    restore_default_weights(server.url, tiny_model)

@@ -2,7 +2,8 @@
 `test/srt/test_openai_server.py` completion and model tests, ported to the tiny model), and the OpenAI backend
 (`OpenAICompletionsClient`) against the built-in server as SGLang, as vLLM, and as a plain OpenAI-compatible server
 (`--openai-text-only`: text prompts only, `n` dropped, no token ids), plus a server that answers 500 every time (a
-small HTTP server in this file, standing in for a broken third-party server)."""
+small HTTP server in this file, standing in for a broken third-party server). Not ported: SGLang's chat completion
+tests (the built-in server has no `/v1/chat/completions`)."""
 
 import json
 import logging

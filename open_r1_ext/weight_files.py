@@ -1,8 +1,10 @@
 """The on-disk format of a weight dump: publishing it atomically, sealing it, reading it all-or-nothing.
 
-A dump is a standard transformers directory (safetensors shards, `config.json`) plus `manifest.json`, written
-last, that lists every file with its size. It appears in one rename, so a reader sees no directory, an ignored
-temporary one, or a complete one; every reader checks the manifest's file list and sizes (free).
+A dump is a standard transformers directory (safetensors shards `model-0000k-of-0000n.safetensors` and their
+index, `config.json`) plus `manifest.json`, written last, that lists every file with its size. It is written in a
+temporary sibling `.<name>.tmp-<pid>` (several processes may write shards into it) and appears in one rename, so a
+reader sees no directory, an ignored temporary one, or a complete one; every reader checks the manifest's file list
+and sizes (free). Temporary directories a crash left behind are removed at the next start (`remove_temporary_dirs`).
 
 `seal_weight_dir` then adds each file's xxh3-128 checksum to the manifest and fsyncs the dump. It is a separate
 step so that a trainer runs it in the background after the servers reloaded (`weight_sync.WeightSync` records a

@@ -55,9 +55,16 @@ def test_bench_sync_quick_writes_json(tmp_path):
         "sync.ratio_with_checksums_before_rename", "sync.ratio_with_seal_before_rename",
         "sync.ratio_with_sha256_before_rename",
         "sync.checksum.sha256_bytes_per_s", "sync.checksum.xxh3_128_bytes_per_s",
+        "sync.zero3.model_bytes", "sync.zero3.two_writers_s", "sync.zero3.one_writer_s", "sync.zero3.writers_ratio",
         "machine.cpu_cores",
     ])
     assert isinstance(figures["sync.met"], bool)
+    # ZeRO-3 on 2 ranks: a peak for each rank and bucket size (the tiny model's are within noise: finite, >= 0)
+    for bucket in ("eighth", "quarter"):
+        by_rank = figures[f"sync.zero3.bucket_{bucket}.peak_extra_fraction_by_rank"]
+        assert len(by_rank) == figures["sync.zero3.ranks"] == 2 and all(math.isfinite(x) and x >= 0 for x in by_rank)
+        assert figures[f"sync.zero3.bucket_{bucket}.peak_extra_fraction"] == max(by_rank)
+    assert isinstance(figures["sync.zero3.memory_met"], bool) and isinstance(figures["sync.zero3.writers_met"], bool)
 
 
 def test_bench_server_quick_writes_json(tmp_path):

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
 from open_r1_ext.trainer.config import RemoteGRPOConfig
-from open_r1_ext.weight_files import check_manifest, seal_weight_dir, write_weight_dir
+from open_r1_ext.weight_files import check_manifest, read_weight_dir, seal_weight_dir, write_weight_dir
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightDumpError, WeightSync, WeightSyncError, epochs_crossed
 from tests.helpers import model_variant, restore_default_weights, reward_len, tiny_config, tiny_dataset, tiny_settings
 
@@ -320,3 +320,29 @@ def test_disk_full_during_a_dump_stops_with_a_checkpoint_and_removes_the_partial
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
     trainer.train(resume_from_checkpoint=True)
     assert trainer.state.global_step == 4 and SGLangClient(server.url).weight_version() == "4"
+
+
+def test_a_lora_policy_dumps_its_merged_weights_without_touching_the_model(tiny_model, tmp_path):
+    """PEFT: each layer merged in its bucket (base + delta, computed aside) under the base model's names, as
+    `merge_and_unload` gives them. Skipped where peft is not installed (it is not a dependency)."""
+    import copy
+
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)  # a trained adapter: the merged weights differ from the base
+    before = {name: param.clone() for name, param in model.named_parameters()}
+    sync = WeightSync(Accelerator(cpu=True), str(tmp_path), 0, str(tmp_path / "log"), [], bucket_mb=0.02)
+    dumped = read_weight_dir(sync.dump(model, 1))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    want.pop("lm_head.weight")  # tied to the embeddings: stored once, as save_pretrained does
+    assert sorted(dumped) == sorted(want) and all(torch.equal(dumped[k], want[k]) for k in want)
+    assert any(not torch.equal(dumped[k], v) for k, v in read_weight_dir(tiny_model).items())
+    assert all(torch.equal(before[name], param) for name, param in model.named_parameters())

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from open_r1_ext.launch.local_server import free_port
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.weight_files import INDEX, check_manifest
 from tests.helpers import restore_default_weights
@@ -20,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]  # `-m tests.<script>` runs from the 
 
 def launch(*args, env=None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "tests.zero3_dump",
+               "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+               "--dynamo_backend", "no", "-m", "tests.zero3_dump",
                *map(str, args)]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)

@@ -1,15 +1,24 @@
-"""Benchmark a weight sync (atomic dump + server reload) against a bare safetensors save + load; prints markdown tables.
+"""Benchmark a weight sync (streamed dump + server reload) against a bare safetensors save + load, and the dump under
+DeepSpeed ZeRO-3 with two processes (memory per rank, two writers vs one); prints markdown tables.
 
 Side by side in one run, on the same float32 state dict of the ~100M-parameter model (`make_tiny_model(size="100m")`):
 
 - bare: `safetensors.torch.save_file(state_dict)`, `load_file`, and copying the tensors into the model's parameters
   (the server copies into its parameters too);
-- ours: what `WeightSync` does on the trainer's critical path: `write_weight_dir` around
-  `save_pretrained(state_dict=...)` (a manifest of file sizes written last, one rename), then
+- ours: what `WeightSync` does on the trainer's critical path: `WeightSync.dump` in one process (the policy in
+  buckets of `bucket_mb`, default one shard here, each written with `save_file`; index, config, a manifest of file
+  sizes written last, one rename), then
   `/update_weights_from_disk` over HTTP on a built-in server holding the same model (`--no-ref-slot`, this process's
   torch threads: it checks the manifest's sizes, loads, copies into its parameters). Then `seal_weight_dir`
   (xxh3-128 checksums into the manifest, fsync), which `WeightSync` runs on a background thread while training goes
   on: its parts and the time from the rename until the dump is sealed are reported, not counted in the total.
+
+ZeRO-3 (2 gloo processes under `torch.distributed.run`, the model partitioned by `deepspeed.initialize`, the same
+`WeightSync.dump` as the trainer's): the peak extra resident memory of a dump on each rank (`VmHWM` after resetting
+it, minus `VmRSS` before; glibc's mmap threshold fixed at 64 kB so freed memory leaves), as a fraction of the model's
+bytes, with buckets of 1/8 and of 1/4 of the model (target
+<= 0.3 at 1/8); and the dump's wall time with both ranks writing their shards vs rank 0 writing all of them (same
+buckets of 1/8, same gathers; target <= 0.75).
 
 Target: ours / bare <= 1.3. Each part of ours is reported (save, reload; the reload's steps are replayed in this
 process on the same files to split it; the seal's checksums and fsync), with the throughput of other checksums on
@@ -25,8 +34,10 @@ directory under /tmp, or under `--dir` (put it on the file system the dumps woul
 
     python tools/bench_sync.py [--quick] [--json FILE] [--dir DIR] [--model-dir DIR]
 
-`--quick` (under a minute on 2 CPU cores) runs the tiny model (a ~0.4 MB dump), two repeats: it checks the
-harness only. `--json FILE` writes every figure under a stable key, e.g. `sync.ratio` or `sync.ours.checksum_s`.
+`--quick` (about a minute on 2 CPU cores) runs the tiny model (a ~0.4 MB dump), two repeats: it checks the
+harness only. `--json FILE` writes every figure under a stable key, e.g. `sync.ratio`, `sync.ours.checksum_s` or
+`sync.zero3.bucket_eighth.peak_extra_fraction` (`sync.ours.save_pretrained_s` is the shard writes: the name dates
+from when a dump called `save_pretrained`).
 """
 
 from __future__ import annotations
@@ -34,15 +45,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -53,10 +67,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
 
 from open_r1_ext import weight_files  # noqa: E402
+from open_r1_ext.trainer import weight_sync  # noqa: E402
 from open_r1_ext.sglang_client import SGLangClient  # noqa: E402
-from open_r1_ext.launch.local_server import BuiltinServer  # noqa: E402
+from open_r1_ext.launch.local_server import BuiltinServer, free_port  # noqa: E402
 
 RATIO_TARGET = 1.3
+MEMORY_TARGET = 0.3  # peak extra resident memory of a ZeRO-3 dump per rank / model bytes, buckets of 1/8
+WRITERS_TARGET = 0.75  # ZeRO-3 dump wall time, two writers / one
+BUCKETS = {"eighth": 1 / 8, "quarter": 1 / 4}  # bucket sizes, as fractions of the model's bytes
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2}
 BLOCK = 4 << 20  # dd bs=4M
 MB = 1e6
 CHECKSUMS: dict[str, Callable[[], object]] = {
@@ -135,15 +155,25 @@ def bare(model, state: dict[str, torch.Tensor], work: Path) -> dict[str, float]:
     return seconds
 
 
-def ours(model, state: dict[str, torch.Tensor], work: Path, client: SGLangClient, rep: int) -> dict[str, float]:
-    """`write_weight_dir(save_pretrained)` + the server's reload over HTTP, then `seal_weight_dir` (which
-    `WeightSync` runs in the background); then the reload's steps replayed here (manifest sizes, load, copy),
-    untimed in the total, to show what the server spent its time on."""
-    watch, directory = Stopwatch(), work / f"step-{rep}"
-    save = watch.wrap("save_pretrained", model.save_pretrained)
+@contextlib.contextmanager
+def timing_shards(watch: Stopwatch):
+    """Time the shard writes inside `WeightSync.dump` by wrapping the function it calls."""
+    original = weight_sync.write_shard
+    weight_sync.write_shard = watch.wrap("save_pretrained", original)
+    try:
+        yield
+    finally:
+        weight_sync.write_shard = original
+
+
+def ours(model, sync: "weight_sync.WeightSync", work: Path, client: SGLangClient, rep: int) -> dict[str, float]:
+    """`WeightSync.dump` + the server's reload over HTTP, then `seal_weight_dir` (which `WeightSync` runs in the
+    background); then the reload's steps replayed here (manifest sizes, load, copy), untimed in the total, to show
+    what the server spent its time on."""
+    watch = Stopwatch()
     os.sync()
-    with watch.part("dump"):
-        weight_files.write_weight_dir(directory, lambda tmp: save(tmp, state_dict=state, safe_serialization=True))
+    with timing_shards(watch), watch.part("dump"):
+        directory = sync.dump(model, rep)
     published = time.perf_counter()
     with watch.part("reload"):
         client.update_weights_from_disk(str(directory), weight_version=f"bench-{rep}")
@@ -201,23 +231,129 @@ def checksum_throughputs(work: Path, state: dict[str, torch.Tensor]) -> dict[str
 
 def measure(models_root: Path, work: Path, setup: Setup) -> dict:
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from accelerate import Accelerator
 
-    hf_logging.disable_progress_bar()  # as WeightSync._write
     path = model_dir(models_root, setup.size)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     dump_bytes = sum(t.numel() * t.element_size() for t in state.values())
     runs: dict[str, list[dict]] = {"bare": [], "ours": [], "disk": []}
     server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", str(torch.get_num_threads()))
+    sync = weight_sync.WeightSync(Accelerator(cpu=True), str(work), 0, str(work / "weight_sync.jsonl"), [])
     with BuiltinServer(str(path), extra_args=server_args, log_path=str(work / "server.log")) as server:
         client = SGLangClient(server.url, max_retries=0)
         for rep in range(setup.repeats):
             sides = [("disk", lambda: {"bytes_per_s": disk_write_bandwidth(work, dump_bytes)}),
-                     ("bare", lambda: bare(model, state, work)), ("ours", lambda: ours(model, state, work, client, rep))]
+                     ("bare", lambda: bare(model, state, work)), ("ours", lambda: ours(model, sync, work, client, rep))]
             for name, side in sides if rep % 2 == 0 else sides[::-1]:
                 runs[name].append(side())
-    return summarize(runs, checksum_throughputs(work, state), dump_bytes, setup)
+    figures = summarize(runs, checksum_throughputs(work, state), dump_bytes, setup)
+    figures.update(zero3_figures(path, work, setup.repeats))
+    return figures
+
+
+# ----------------------------------------------------------------------------------------------- ZeRO-3, 2 ranks
+def zero3_figures(path: Path, work: Path, repeats: int) -> dict:
+    """Run `zero3_worker` in 2 gloo processes; its figures."""
+    out = work / "zero3.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               __file__, "--zero3-worker", str(path), str(work), str(repeats), str(out)]
+    # glibc returns every block of 64 kB or more to the system when it is freed (its default threshold grows to 32 MB
+    # as blocks are freed, and freed blocks below it stay resident and are reused unseen): resident memory is then
+    # what is live, and each dump's peak is its own, whatever ran before it
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, torch.get_num_threads() // 2)), TOKENIZERS_PARALLELISM="false",
+               MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"the ZeRO-3 workers failed:\n{done.stderr[-5000:]}")
+    return json.loads(out.read_text())
+
+
+class ZeroThreeAccelerator:
+    """accelerate's `Accelerator` on CPU (gloo) as `WeightSync` sees the trainer's under DeepSpeed ZeRO-3 (this
+    harness builds the engine with `deepspeed.initialize` itself): its state names stage 3, and `unwrap_model`
+    returns the engine's module."""
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+        self.state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+    def unwrap_model(self, engine):
+        return engine.module
+
+
+def peak_extra_rss(fn: Callable[[], object]) -> int:
+    """Bytes of resident memory at the peak of `fn()` above where it started (Linux: VmHWM reset by clear_refs)."""
+
+    def status(field: str) -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+        return int(line.split()[1]) * 1024
+
+    Path("/proc/self/clear_refs").write_text("5")  # resets the high-water mark to the current RSS
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+def zero3_worker(path: Path, work: Path, repeats: int, out: Path) -> None:
+    """One of 2 ranks: the policy partitioned by ZeRO-3; `WeightSync.dump` with buckets of each size (peak extra
+    memory), then with buckets of 1/8 written by both ranks or by rank 0 alone (wall time). Rank 0 writes `out`."""
+    import deepspeed
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+    from transformers import AutoModelForCausalLM
+
+    accelerator = ZeroThreeAccelerator(Accelerator(cpu=True))  # the gloo process group
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine, *_ = deepspeed.initialize(model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), config=ZERO3)
+    model_bytes = sum(p.ds_numel * p.element_size() for p in engine.module.parameters())
+    sync_dir = work / "zero3"
+
+    def syncer(fraction: float) -> weight_sync.WeightSync:
+        return weight_sync.WeightSync(accelerator, str(sync_dir), 0, str(sync_dir / "log"), [],
+                                      bucket_mb=model_bytes * fraction / 1e6)
+
+    def dump(sync, step: int) -> float:
+        accelerator.wait_for_everyone()
+        start = time.perf_counter()
+        sync.dump(engine, step)
+        seconds = time.perf_counter() - start
+        if accelerator.is_main_process:
+            shutil.rmtree(sync_dir / f"step-{step}")
+        return seconds
+
+    dump(syncer(BUCKETS["eighth"]), repeats)  # warm-up: first-call allocations and imports are not a dump's cost
+    mine: dict[str, list[float]] = defaultdict(list)
+    for rep in range(repeats):
+        for name, fraction in BUCKETS.items():
+            sync = syncer(fraction)
+            mine[f"{name}.peak_extra_fraction"].append(peak_extra_rss(lambda: dump(sync, rep)) / model_bytes)
+        order = (2, 1) if rep % 2 == 0 else (1, 2)
+        for writers in order:
+            original = weight_sync.shard_writer
+            if writers == 1:  # the one-writer baseline: every shard to rank 0 (same buckets, same gathers)
+                weight_sync.shard_writer = lambda index, world: 0
+            try:
+                mine[f"writers_{writers}_s"].append(dump(syncer(BUCKETS["eighth"]), rep))
+            finally:
+                weight_sync.shard_writer = original
+    ranks = gather_object([dict(mine)])
+    if not accelerator.is_main_process:
+        return
+    figures: dict = {"sync.zero3.ranks": len(ranks), "sync.zero3.model_bytes": model_bytes}
+    for name in BUCKETS:
+        by_rank = [statistics.median(r[f"{name}.peak_extra_fraction"]) for r in ranks]
+        figures[f"sync.zero3.bucket_{name}.peak_extra_fraction_by_rank"] = by_rank
+        figures[f"sync.zero3.bucket_{name}.peak_extra_fraction"] = max(by_rank)
+    figures["sync.zero3.memory_target"] = MEMORY_TARGET
+    figures["sync.zero3.memory_met"] = figures["sync.zero3.bucket_eighth.peak_extra_fraction"] <= MEMORY_TARGET
+    two, one = (statistics.median(ranks[0][f"writers_{n}_s"]) for n in (2, 1))
+    figures.update({"sync.zero3.two_writers_s": two, "sync.zero3.one_writer_s": one, "sync.zero3.writers_ratio": two / one,
+                    "sync.zero3.writers_target": WRITERS_TARGET, "sync.zero3.writers_met": two / one <= WRITERS_TARGET})
+    out.write_text(json.dumps(figures))
 
 
 def summarize(runs: dict[str, list[dict]], checksums: dict[str, float], dump_bytes: int, setup: Setup) -> dict:
@@ -264,8 +400,8 @@ def tables(f: dict) -> str:
         ],
     )
     parts = [
-        ("ours", "save_pretrained (safetensors + config files)", "save_pretrained"),
-        ("ours", "the rest: marker, manifest of sizes, rename", "other"),
+        ("ours", "shards (save_file per bucket)", "save_pretrained"),
+        ("ours", "the rest: walking the buckets, index, config files, manifest of sizes, rename", "other"),
         ("ours", "reload over HTTP (server: manifest sizes, load, copy)", "reload"),
         ("ours", "... its manifest check (replayed here on the same files)", "reload_manifest"),
         ("ours", "... its load_file (replayed here)", "reload_load"),
@@ -290,7 +426,18 @@ def tables(f: dict) -> str:
                f"before the rename {f['sync.ratio_with_checksums_before_rename']:.2f}; the whole seal (checksums and "
                f"fsync) before the rename {f['sync.ratio_with_seal_before_rename']:.2f}; sha256 checksums before the "
                f"rename {f['sync.ratio_with_sha256_before_rename']:.2f}.")
-    return f"{main}\n\n{components}\n\n{background}\n\n{what_if}"
+    zero3 = markdown_table(
+        ("ZeRO-3, 2 gloo processes", "measured", "target", "met"),
+        [(f"peak extra resident memory per rank / model bytes, buckets of 1/8 (by rank: "
+          f"{', '.join(f'{x:.2f}' for x in f['sync.zero3.bucket_eighth.peak_extra_fraction_by_rank'])})",
+          f"{f['sync.zero3.bucket_eighth.peak_extra_fraction']:.2f}", f"<= {MEMORY_TARGET:g}", verdict(f["sync.zero3.memory_met"])),
+         (f"the same, buckets of 1/4 (by rank: "
+          f"{', '.join(f'{x:.2f}' for x in f['sync.zero3.bucket_quarter.peak_extra_fraction_by_rank'])})",
+          f"{f['sync.zero3.bucket_quarter.peak_extra_fraction']:.2f}", "-", "-"),
+         (f"dump wall time, two writers / one ({f['sync.zero3.two_writers_s']:.3f} s / {f['sync.zero3.one_writer_s']:.3f} s)",
+          f"{f['sync.zero3.writers_ratio']:.2f}", f"<= {WRITERS_TARGET:g}", verdict(f["sync.zero3.writers_met"]))],
+    )
+    return f"{main}\n\n{components}\n\n{background}\n\n{what_if}\n\n{zero3}"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -301,11 +448,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="write the dumps under this directory (default: a temp dir in /tmp)")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="build the model here (and reuse it) instead of a temp dir")
+    parser.add_argument("--zero3-worker", nargs=4, metavar=("MODEL", "WORK", "REPEATS", "OUT"), default=None,
+                        help=argparse.SUPPRESS)  # one rank of the ZeRO-3 measurement (run under torch.distributed.run)
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
+    if args.zero3_worker is not None:
+        model, work, repeats, out = args.zero3_worker
+        zero3_worker(Path(model), Path(work), int(repeats), Path(out))
+        return
     started = time.perf_counter()
     facts = machine_facts(args.quick)
     setup = QUICK if args.quick else FULL

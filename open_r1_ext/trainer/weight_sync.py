@@ -128,10 +128,10 @@ class PolicyWeights:
         return sum(b.nbytes for b in self.buckets)
 
     def _lora_layer(self, name: str):
-        """The LoRA layer whose frozen base weight `name` is, or None."""
-        if not self.peft or ".base_layer." not in name:
+        """The LoRA layer whose frozen base weight `name` is (its bias is not adapted), or None."""
+        if not self.peft or not name.endswith(".base_layer.weight"):
             return None
-        return self.model.get_submodule(name.rsplit(".base_layer.", 1)[0])
+        return self.model.get_submodule(name.removesuffix(".base_layer.weight"))
 
     @contextlib.contextmanager
     def gathered(self, bucket: Bucket, read: bool) -> Iterator[dict[str, torch.Tensor]]:
@@ -275,10 +275,10 @@ class WeightSync:
                 name = shard_name(index, len(weights.buckets))
                 try:
                     write_shard(tmp / name, tensors, durable=durable)
+                    written.update(dict.fromkeys(tensors, name))
                 except Exception as err:  # noqa: BLE001 - SafetensorError, OSError, ...: the dump fails, cleanly
                     error = describe_write_error(path, err, f"{name}, rank {rank}")
-                    continue
-                written.update(dict.fromkeys(tensors, name))
+                tensors.clear()  # on CPU they share the gathered storage: let it go with the gather, not a bucket later
         return written, error
 
     def _finish(self, model, weights: PolicyWeights, tmp: Path, path: Path, weight_map: dict[str, str]) -> None:

@@ -62,6 +62,12 @@ def test_status_of_the_finished_demo(demo_run, tmp_path):
     text = subprocess.run([sys.executable, "-m", "open_r1_ext.cli", "status", str(run_dir)], capture_output=True,
                           text=True, timeout=120).stdout
     assert f"step {STEPS}/{STEPS}" in text and "finished" in text and f"generation: step {STEPS} (weights {STEPS})" in text
+    watched = subprocess.run([sys.executable, "-m", "open_r1_ext.cli", "status", str(run_dir), "--watch", "5"],
+                             capture_output=True, text=True, timeout=120)
+    assert watched.returncode == 0 and watched.stdout.count("run       ") == 1  # training has finished: one look
+    refused = subprocess.run([sys.executable, "-m", "open_r1_ext.cli", "status", str(run_dir), "--watch", "0"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--watch 0: give the seconds between two looks" in refused.stderr
 
 
 def test_plot_of_the_demo(demo_run, tmp_path):

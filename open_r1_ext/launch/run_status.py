@@ -279,6 +279,9 @@ def main(run_dir: str, as_json: bool = False, watch: Optional[float] = None) -> 
     if not path.is_dir():
         print(f"{run_dir}: no such run directory (a recipe's trainer.output_dir)", file=sys.stderr)
         return 2
+    if watch is not None and watch <= 0:
+        print(f"--watch {watch:g}: give the seconds between two looks, e.g. --watch 30", file=sys.stderr)
+        return 2
     try:
         while True:
             status = run_status(path)

@@ -92,6 +92,7 @@ BAD = [
     # values TRL would take and fail on (or silently ignore) later
     (lambda r: r["trainer"].update(learning_rate=0.0), "trainer.learning_rate", "must be > 0, got 0.0"),
     (lambda r: r["trainer"].update(learning_rate=-1e-3), "trainer.learning_rate", "must be > 0"),
+    (lambda r: r["trainer"].update(learning_rate=float("inf")), "trainer.learning_rate", "must be > 0, got inf"),
     (lambda r: r["trainer"].update(per_device_train_batch_size=0), "trainer.per_device_train_batch_size", "must be > 0"),
     (lambda r: r["trainer"].update(gradient_accumulation_steps=-1), "trainer.gradient_accumulation_steps", "must be > 0"),
     (lambda r: r["trainer"].update(max_steps=0), "trainer.max_steps", "or -1 to train num_train_epochs"),

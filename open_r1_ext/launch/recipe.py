@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import re
 import typing
 from pathlib import Path
@@ -283,7 +284,7 @@ def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None, c
     """Read, override and validate a recipe; raise `RecipeError` naming every problem."""
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(path, [("(file)", "no such file")])
+        raise RecipeError(path, [("(file)", "a directory, not a recipe file" if path.is_dir() else "no such file")])
     text = _read_text(path)
     try:
         raw = yaml.safe_load(text) or {}
@@ -549,7 +550,7 @@ def _check_values(recipe: Recipe, problems: list) -> None:
         for name, value in getattr(recipe, section).items():
             if name in VALUE_RULES and isinstance(value, (int, float)) and not isinstance(value, bool):
                 test, must = VALUE_RULES[name]
-                if not test(value):
+                if not (math.isfinite(value) and test(value)):
                     default = _config_defaults()[name]
                     fix = f"remove it for the default ({default})" if default is not None else "remove it"
                     problems.append((f"{section}.{name}", f"must be {must}, got {value!r}: set such a value, or {fix}"))

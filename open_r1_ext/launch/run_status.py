@@ -1,8 +1,8 @@
 """`open-r1-ext status RUN_DIR`: the state of a run, from its run directory, while it runs and after it ended.
 
 Reads what the jobs and the trainer write there (jobs.env, <role>.addr, status.log, metrics.jsonl, weight_sync.jsonl,
-rollouts.jsonl), asks SLURM for the jobs' states (one squeue call, `jobs.slurm_states`) and each server for its
-health and weight version. Imports no TRL: it runs on a login node. `run_metrics` is also what `plot` reads.
+rollouts.jsonl), asks SLURM for the jobs' states (one squeue call through `jobs.JobWatch`, one sacct call for jobs
+squeue has forgotten) and each server for its health and weight version. Imports no TRL: it runs on a login node. `run_metrics` is also what `plot` reads.
 """
 
 from __future__ import annotations
@@ -43,13 +43,12 @@ def run_metrics(run_dir: Path) -> tuple[list[dict], Optional[dict]]:
     """`(steps, summary)`: the trainer's logged metrics, one dict per step (a resumed run's repeated steps keep their
     latest values), and the end-of-training summary (`train_runtime`, ...) when training has finished.
 
-    From `metrics.jsonl` (runs started with `open-r1-ext train`), else the `log_history` of the newest
-    `trainer_state.json` (written with each checkpoint: no times, so no steps/s).
+    From `metrics.jsonl` (runs started with `open-r1-ext train`), else the `log_history` of the newest checkpoint's
+    `trainer_state.json` (no times, so no steps/s).
     """
     entries = read_jsonl(run_dir / METRICS_FILE)
     if not entries:
         states = sorted(run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-        states += [run_dir / "trainer_state.json"] if (run_dir / "trainer_state.json").is_file() else []
         if states:
             state = json.loads(states[-1].read_text())
             entries = [dict(entry, max_steps=state.get("max_steps")) for entry in state.get("log_history", [])]

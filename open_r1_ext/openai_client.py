@@ -28,7 +28,6 @@ from open_r1_ext.sglang_client import (
     DEFAULT_REQUEST_TIMEOUT,
     SGLangClient,
     ServerError,
-    ServerRequestError,
 )
 
 logger = logging.getLogger(__name__)
@@ -113,7 +112,8 @@ class OpenAICompletionsClient:
 
     def _probe(self) -> ServerAbilities:
         """Ask for one token, two copies, with token ids and log-probs, as ids then as text, with the extensions and
-        without; what the first accepted form gives back says what the server can do."""
+        without; what the first accepted form gives back says what the server can do. A form the server refuses or
+        fails on (after the few 5xx retries) is skipped; if it takes none, the error lists every answer."""
         ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"][:1] or [0]
         sampling = {"max_new_tokens": 1, "temperature": 1.0}
         refusals = []
@@ -123,8 +123,8 @@ class OpenAICompletionsClient:
                 body["prompt"] = [PROBE_TEXT]
             try:
                 answer = self.http.post_json("/v1/completions", body)
-            except ServerRequestError as err:
-                refusals.append(err.detail)
+            except ServerError as err:  # 4xx, or a 5xx (FastChat's server fails token-id prompts with a 500)
+                refusals.append(getattr(err, "detail", str(err)))
                 continue
             choices = answer.get("choices") or []
             first = choices[0] if choices else {}
@@ -177,7 +177,7 @@ class OpenAICompletionsClient:
         if len(choices) != len(indices) * n:
             raise ServerError(f"{self.base_url}/v1/completions returned {len(choices)} choices for {len(indices)} "
                               f"prompts x n={n}")
-        return [self._completion(c) for c in choices]
+        return [self._completion(c, limit=body["max_tokens"]) for c in choices]
 
     def _as_text(self, prompts: Sequence[Sequence[int]]) -> list[str]:
         self._warn_once("prompts", "%s takes text prompts only: the prompts are decoded to text and the server "
@@ -189,7 +189,9 @@ class OpenAICompletionsClient:
             self._warned.add(key)
             logger.warning(message, *args)
 
-    def _completion(self, choice: dict) -> Completion:
+    def _completion(self, choice: dict, limit: Optional[int] = None) -> Completion:
+        """The choice's ids as the server said them, else its text re-tokenized (at most `limit` ids: re-tokenizing
+        can give more ids than were sampled, e.g. for bytes that are no whole character)."""
         completion = completion_from_choice(choice)
         if completion is not None:
             return completion
@@ -198,7 +200,7 @@ class OpenAICompletionsClient:
             "%s returns completions as text only: re-tokenizing them with the trainer's tokenizer is lossy (the ids "
             "may differ from those sampled), and no sampling log-probs are used. Prefer a server that returns token "
             "ids (SGLang's native /generate or return_token_ids, or vLLM's return_tokens_as_token_ids).", self.base_url)
-        ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"][:limit]
         reason = finish_reason_of_choice(choice)
         if reason == "stop" and self.tokenizer.eos_token_id is not None:
             ids = ids + [self.tokenizer.eos_token_id]

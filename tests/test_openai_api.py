@@ -244,17 +244,20 @@ def test_backend_adapts_to_a_plain_openai_server(text_only, tokenizer, tiny_mode
     assert trainer.state.global_step == 1
 
 
-class AlwaysFails(BaseHTTPRequestHandler):
-    """A broken OpenAI-compatible server: /v1/models answers, every completion gets the same 500."""
+class FailsOnIds(BaseHTTPRequestHandler):
+    """A broken OpenAI-compatible server (as FastChat's: a token-id prompt gets HTTP 500): the text probe answers, and
+    every other completion gets the same 500."""
 
-    calls = 0
+    bodies: list = []
 
     def do_GET(self):
         self._answer(200, {"object": "list", "data": [{"id": "broken", "object": "model"}]})
 
     def do_POST(self):
-        type(self).calls += 1
-        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        if body["max_tokens"] == 1 and isinstance(body["prompt"][0], str):
+            return self._answer(200, {"choices": [{"index": i, "text": "x", "finish_reason": "length"} for i in range(2)]})
         self._answer(500, {"error": {"message": "prompt_logprobs: value is not a valid integer"}})
 
     def _answer(self, status, body):
@@ -270,14 +273,17 @@ class AlwaysFails(BaseHTTPRequestHandler):
 
 
 def test_a_deterministic_500_is_retried_a_few_times_and_reported(tokenizer):
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), AlwaysFails)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FailsOnIds)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         client = OpenAICompletionsClient(f"http://127.0.0.1:{httpd.server_port}", tokenizer=tokenizer, backoff_factor=0.1)
         started = time.monotonic()
+        assert client.abilities.token_id_prompts is False  # the probe went on to text prompts
         with pytest.raises(ServerError, match="HTTP 500 after retries: .*prompt_logprobs: value is not a valid integer"):
             client.generate([[1, 2, 3]], {"max_new_tokens": 2})
-        assert AlwaysFails.calls == 3  # the first try and two retries, not minutes of them
+        probes = [b for b in FailsOnIds.bodies if b["max_tokens"] == 1]
+        assert [isinstance(b["prompt"][0], str) for b in probes] == [False] * 3 + [True]  # 1 try + 2 retries, then text
+        assert len(FailsOnIds.bodies) - len(probes) == 3  # the first try and two retries, not minutes of them
         assert time.monotonic() - started < 10
     finally:
         httpd.shutdown()

@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import logging
 import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -26,6 +28,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from open_r1_ext.launch.jobs import SIGTERM_EXIT
 from open_r1_ext.launch.recipe import Recipe, RecipeError, ServerSpec, load_recipe
 from open_r1_ext.launch.run_key import key_file, read_run_key, write_run_key
+from open_r1_ext.launch.run_status import METRICS_FILE
 from open_r1_ext.sglang_client import ServerError
 
 logger = logging.getLogger("open_r1_ext.train")
@@ -45,6 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def train_recipe(path: str, overrides: list[str], server_url: Optional[str] = None, ref_url: Optional[str] = None) -> int:
     """Load and validate the recipe, then train (`run`); 2 for an invalid recipe, with its problems on stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_libraries()
     try:
         recipe = load_recipe(path, overrides)
     except RecipeError as err:
@@ -90,6 +94,7 @@ def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str]
         trainer.remove_callback(ProgressCallback)
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(StepPrinter())
+        trainer.add_callback(MetricsLog())
         trainer.train(resume_from_checkpoint=last_checkpoint)
         if trainer.stop_signal.stopped_at is not None:
             return trainer  # stopped by a signal: the checkpoint is the run's state, not a final model
@@ -158,6 +163,28 @@ def embedded_server(recipe: Recipe, role: str, spec: ServerSpec):
     return BuiltinServer(model_path, log_path=str(log),
                          extra_args=("--dtype", spec.dtype, *no_ref_slot, "--weight-dirs", recipe.sync_dir, *keyed,
                                      *map(str, spec.extra_args)))
+
+
+def quiet_libraries() -> None:
+    """Keep a run's output to its own lines: hide the deprecation warnings TRL's own calls raise in transformers
+    (TRL's `gradient_checkpointing` default and its helpers; nothing we can change), and transformers' progress bars
+    for loading and saving a model (instant here; a long wait, for a server, keeps its progress line)."""
+    from transformers.utils import logging as transformers_logging
+
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
+    transformers_logging.disable_progress_bar()
+
+
+class MetricsLog(TrainerCallback):
+    """Every trainer log as one JSON line of `<output_dir>/metrics.jsonl`, with its step, the run's max steps and the
+    time: what `open-r1-ext status` and `open-r1-ext plot` read (`launch/run_status.py`)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        entry = {"step": state.global_step, "max_steps": state.max_steps, "time": round(time.time(), 3), **logs}
+        with open(Path(args.output_dir) / METRICS_FILE, "a") as log:
+            log.write(json.dumps(entry, default=str) + "\n")
 
 
 class StepPrinter(TrainerCallback):

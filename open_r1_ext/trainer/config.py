@@ -190,6 +190,10 @@ class RemoteGRPOConfig(GRPOConfig):
                 )
         elif steps is None:
             self.ref_model_sync_steps = GRPOConfig.__dataclass_fields__["ref_model_sync_steps"].default
+        if self.activation_checkpointing is None:
+            # TRL's `gradient_checkpointing` (default True) is transformers' deprecated name: carry it over as
+            # transformers would, without the FutureWarning it raises for every config built (recipe checks, jobs)
+            self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
         if self.generation_backend not in GENERATION_BACKENDS:
             raise ValueError(

@@ -156,7 +156,9 @@ class SGLangClient:
                            route: str = "/health") -> None:
         """Block until `route` answers 200, showing elapsed time; raise `ServerError` after `timeout` seconds."""
         start = time.monotonic()
-        with tqdm(total=None, desc=f"waiting for {self.base_url}", unit="s", disable=not progress, leave=False) as bar:
+        # the bar shows only once the wait is long (delay): a server that is already up prints nothing
+        with tqdm(total=None, desc=f"waiting for {self.base_url}", unit="s", disable=not progress, leave=False,
+                  delay=2.0) as bar:
             while not self.is_healthy(route=route):
                 elapsed = time.monotonic() - start
                 if elapsed > timeout:

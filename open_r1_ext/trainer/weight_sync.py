@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from open_r1_ext.sglang_client import ServerError, SGLangClient
+from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.weight_files import (WeightFileError, check_manifest, is_disk_full, publish, remove_temporary_dirs,
                                       seal_weight_dir, shard_name, temporary_dir, write_index, write_shard)
 
@@ -354,7 +354,9 @@ class WeightSync:
         return future
 
     def push(self, target: SyncTarget, path: Path, version: str) -> None:
-        """Have `target` reload `path` and confirm `version`; retried, then `WeightSyncError`."""
+        """Have `target` reload `path` and confirm `version`, else `WeightSyncError`. Retried only while the server
+        answers (a refusal, another version); a server that does not answer has had the client's whole retry budget
+        (`sglang_client.DEFAULT_MAX_RETRIES`), which is not spent again here."""
         extra = {} if target.mixup_alpha in (None, 1.0) else {"mixup_alpha": target.mixup_alpha}
         last = None
         for attempt in range(1, self.reload_attempts + 1):
@@ -364,8 +366,10 @@ class WeightSync:
                 if reported == version:
                     return
                 last = f"the server reports weight_version {reported!r}, expected {version!r}"
-            except ServerError as err:
+            except ServerRequestError as err:
                 last = str(err)
+            except ServerError as err:
+                raise WeightSyncError(f"the {target.role} server did not take the new weights: {err}") from err
             logger.warning("%s server: reload of %s failed (attempt %d/%d): %s", target.role, path, attempt, self.reload_attempts, last)
             if attempt < self.reload_attempts:
                 time.sleep(float(attempt))

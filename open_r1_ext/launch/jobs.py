@@ -387,7 +387,7 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
         raise LaunchError(f"{me}: {files.jobs} names no {' or '.join(missing)} job; launch the run with "
                           "slurm/grpo.slurm or open-r1-ext launch")
     servers = [jobs[role] for role in plan.server_roles]
-    watch, urls, process, code = JobWatch([me, *servers]), {}, None, 1
+    watch, urls, process, code, ended = JobWatch([me, *servers]), {}, None, 1, False
     stop_on_signals()
     files.logs.mkdir(parents=True, exist_ok=True)
     try:
@@ -401,14 +401,19 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
         code = process.wait()
     except KeyboardInterrupt:
         code = SIGTERM_EXIT
-        if lead:  # said now: SLURM may SIGKILL this job (KillWait) before its end below
-            record(files, f"{me}: SIGTERM: the trainer saves a checkpoint of its last finished step and stops (given "
-                          f"up to {TRAINER_STOP_GRACE_S:.0f} s, or SLURM's KillWait)", echo)
+        if lead:  # said before waiting for the trainer: SLURM may SIGKILL this job (KillWait) before the end below
+            watch.refresh()
+            ended = being_requeued(ctx, me, watch)
+            if ended:  # the servers stay up whatever happens next
+                end_run(plan, ctx, me, code, servers, urls, watch, echo)
+            else:
+                record(files, f"{me}: SIGTERM: the trainer saves a checkpoint of its last finished step and stops "
+                              f"(given up to {TRAINER_STOP_GRACE_S:.0f} s, or SLURM's KillWait)", echo)
     except LaunchError as err:
         echo(str(err))
     finally:
         _stop(process, TRAINER_STOP_GRACE_S)
-        if lead:
+        if lead and not ended:
             end_run(plan, ctx, me, code, servers, urls, watch, echo)
     return code
 

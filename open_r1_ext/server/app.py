@@ -2,9 +2,11 @@
 
     python -m open_r1_ext.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
 
-Routes are thin: they validate with `open_r1_ext.protocol` and `limits`, hand work to the `Batcher`, and shape
-SGLang's responses. Every malformed or oversized request gets HTTP 400 naming the field (or file) and the problem. It serves the same client as a real SGLang server (`/generate`, `/update_weights_from_disk`,
-`/get_model_info`, `/get_server_info`, `/health`, `/health_generate`, `/flush_cache`, `/v1/completions`).
+Routes are thin: they validate with `open_r1_ext.protocol` and `limits`, hand work to the `Batcher`, and have
+`responses` shape SGLang's and OpenAI's answers (JSON or server-sent events). Every malformed or oversized request,
+and every SGLang field this server does not do, gets HTTP 400 naming the field (or file) and the problem. It serves the
+same clients as a real SGLang server (`/generate`, `/update_weights_from_disk`, `/model_info`, `/server_info` and
+their `/get_*` names, `/health`, `/health_generate`, `/flush_cache`, `/v1/completions`, `/v1/models`).
 Two model slots: the policy at `/` and, under `/ref/...`, a second model (the reference, `--ref-model-path`,
 default the same weights) that reloads independently, so one process can host both roles of a GRPO run.
 """
@@ -405,14 +407,16 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         to_score = [p for p, w in zip(prompts, wants_input) if w]
         detailed = [(p, top_of(a), ids_of(a)) for p, a, w in zip(prompts, asks, wants_input)
                     if w and (top_of(a) or ids_of(a) is not None)]
-        copies = [params.n for params in sampling]
         many = obj.is_batch or len(tasks) > 1
+
+        def task_inputs(scored, details) -> list[PromptLogprobs]:
+            """Each task's `PromptLogprobs` (those of its prompt)."""
+            inputs = prompt_inputs(prompts, want, starts, tops, token_ids, obj.return_text_in_logprobs, scored, details)
+            return [inputs[p] for p, params in enumerate(sampling) for _ in range(params.n)]
 
         if obj.stream:
             async def chunks():
-                scored, details = await run([], to_score, detailed, request) if to_score else ([], [])
-                inputs = prompt_inputs(prompts, want, starts, tops, token_ids, obj.return_text_in_logprobs, scored, details)
-                per_task = [inputs[p] for p, n in enumerate(copies) for _ in range(n)]
+                per_task = task_inputs(*(await run([], to_score, detailed, request) if to_score else ([], [])))
                 sent = [0] * len(tasks)
                 async for index, n in stream_tasks(tasks, request):
                     ask, rid = outputs_of[index]
@@ -426,9 +430,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
             return StreamingResponse(ending_with_error_event(chunks()), media_type="text/event-stream")
 
-        scored, details = await run(tasks, to_score, detailed, request)
-        inputs = prompt_inputs(prompts, want, starts, tops, token_ids, obj.return_text_in_logprobs, scored, details)
-        per_task = [inputs[p] for p, n in enumerate(copies) for _ in range(n)]
+        per_task = task_inputs(*await run(tasks, to_score, detailed, request))
         outputs = [generate_output(engine, task, ask, inp, rid) for task, (ask, rid), inp in zip(tasks, outputs_of, per_task)]
         # orjson straight to bytes: FastAPI's own path would validate and serialise thousands of entries again.
         return Response(orjson.dumps(outputs if many else outputs[0]), media_type="application/json")
@@ -493,6 +495,11 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         to_score = prompts if echo_logprobs else []
         detailed = [(p, top, None) for p in prompts] if echo_logprobs else []
 
+        def echo_inputs(scored, details) -> list[PromptLogprobs]:
+            count = len(prompts)
+            return prompt_inputs(prompts, [echo_logprobs] * count, [0] * count, [top] * count, [None] * count, False,
+                                 scored, details)
+
         def echo_text(i: int) -> str:
             if not obj.echo:
                 return ""
@@ -510,9 +517,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
         if obj.stream:
             async def chunks():
-                scored, details = await run([], to_score, detailed, request) if to_score else ([], [])
-                inputs = prompt_inputs(prompts, [echo_logprobs] * len(prompts), [0] * len(prompts), [top] * len(prompts),
-                                       [None] * len(prompts), False, scored, details)
+                inputs = echo_inputs(*(await run([], to_score, detailed, request) if to_score else ([], [])))
                 sent = [0] * len(tasks)
                 text_sent = [0] * len(tasks)
                 async for index, count in stream_tasks(tasks, request):
@@ -529,9 +534,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
             return StreamingResponse(ending_with_error_event(chunks()), media_type="text/event-stream")
 
-        scored, details = await run(tasks, to_score, detailed, request)
-        inputs = prompt_inputs(prompts, [echo_logprobs] * len(prompts), [0] * len(prompts), [top] * len(prompts),
-                               [None] * len(prompts), False, scored, details)
+        inputs = echo_inputs(*await run(tasks, to_score, detailed, request))
         choices = [completion_choice(engine, i, task, ask, echo_text(i), inputs[i // n]) for i, task in enumerate(tasks)]
         return Response(orjson.dumps(body(choices, usage=usage(prompts, tasks))), media_type="application/json")
 

@@ -112,6 +112,10 @@ BAD = [
     (lambda r: r["data"].update(prompt_column="question"), "data.prompt_column",
      "'question' is not a column of"),
     (lambda r: r["rewards"].append("a:b:c"), "rewards[2].name", "is not a reference package.module:function"),
+    (lambda r: r["servers"]["generation"].update(extra_args=["--api-key", "k"]), "servers.generation.extra_args",
+     "keep it off the command line"),
+    (lambda r: r["servers"]["generation"].update(extra_args=["--config=mine.yaml"]), "servers.generation.extra_args",
+     "set servers.api_key instead"),
     (lambda r: r["rewards"].append("no_such_module_h14:f"), "rewards[2].name", "cannot be imported"),
 ]
 

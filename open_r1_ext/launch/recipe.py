@@ -599,6 +599,8 @@ def _check_context(recipe: Recipe, problems: list) -> None:
 
 def _check_servers(recipe: Recipe, problems: list) -> None:
     """What each engine can do, and where the reference can live; each message names the fix."""
+    from open_r1_ext.launch.run_key import uses_key
+
     generation, reference = recipe.servers.generation, recipe.servers.reference
     beta = recipe.setting("beta")
     for role, spec in recipe.servers.specs().items():
@@ -607,6 +609,11 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
             problems.append((f"{key}.url", f"{spec.url!r}: give a base URL such as http://node-3:30000"))
         if not 1 <= spec.port <= 65535:  # a reference server's default port: the generation server's + 1
             problems.append((f"{key}.port", f"{spec.port} is outside 1-65535; set servers.{role}.port"))
+        flags = {"--api-key", "--config"} if uses_key(recipe) else {"--api-key"}  # --config: the run's key file
+        if spec.started and flags & {str(a).split("=")[0] for a in spec.extra_args}:
+            problems.append((f"{key}.extra_args", "the launchers give a server the run's API key in an owner-only file "
+                                                  "(--config FILE) and keep it off the command line, where ps shows it: "
+                                                  "remove --api-key / --config and set servers.api_key instead"))
         if spec.engine == "sglang" and spec.started and spec.resources.gpus_per_node == 0:
             problems.append((f"{key}.resources.gpus_per_node", "0: SGLang runs on GPUs; give the server job GPUs "
                                                                "(gpus_per_node >= 1) or use engine: builtin"))

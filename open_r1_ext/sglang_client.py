@@ -5,15 +5,19 @@ Every call has a timeout; connection errors and 5xx are retried with exponential
 4xx is not retried and the server's message is raised. Large batches are split by a token budget and sent
 concurrently. Bodies are built and read through `open_r1_ext.protocol` (the one module that knows SGLang's field
 names) and encoded and decoded with orjson (a 32x256 reference answer, ~250 KB, parses in ~1.5 ms instead of ~6 ms
-with `json`).
+with `json`). What SGLang 0.5.23 does that a client must guard against is handled here: an aborted item answered
+with HTTP 200 is re-sent, a dump whose manifest does not match its files is never sent for loading, the admin key
+goes to the admin routes only, and `sampling_kwargs` checks sampling settings against SGLang's names.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
+from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import orjson
@@ -22,6 +26,8 @@ import torch
 from requests.adapters import HTTPAdapter
 from tqdm.auto import tqdm
 from urllib3.util.retry import Retry
+
+from open_r1_ext.weight_files import MANIFEST, WeightFileError, check_manifest
 
 from open_r1_ext.protocol import (
     Completion,
@@ -45,10 +51,32 @@ DEFAULT_MAX_RETRIES = 8
 DEFAULT_BACKOFF_FACTOR = 0.5
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection (of the request timeout)
 DEFAULT_MAX_BATCH_TOKENS = 65536
+ABORT_RETRIES = 2  # times an item the server aborted (HTTP 200, finish_reason "abort") is sent again
+
+# SGLang 0.5.23's `sampling_params` keys (`sglang/srt/sampling/sampling_params.py` ~148-181, the API fields of
+# `SamplingParams`; any other key fails `SamplingParams(**kwargs)` in `tokenizer_manager.py` ~1565 with HTTP 400).
+SGLANG_SAMPLING_PARAMS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "beam_width", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "watermark",
+)
+# vLLM's names of settings SGLang has under another name.
+VLLM_TWINS = {"min_tokens": "min_new_tokens"}
+# Keys the trainer sets itself for every sample, and the setting that controls each.
+TRAINER_SET = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
+               "n": "num_generations", "sampling_seed": "seed (one sampling_seed per sample is derived from it)",
+               "seed": "seed (one sampling_seed per sample is derived from it)"}
+# Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301; `utils/auth.py` ~130).
+ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache")
 
 
 class ServerError(RuntimeError):
     """The server could not be reached, or kept failing, within the retry budget."""
+
+
+class AbortedRequestError(ServerError):
+    """The server kept aborting an item (SGLang answers an abort with HTTP 200 and a partial output)."""
 
 
 class ServerRequestError(ServerError):
@@ -58,6 +86,14 @@ class ServerRequestError(ServerError):
         super().__init__(message)
         self.status_code = status_code
         self.detail = detail or message
+
+
+class IncompleteDumpError(ServerRequestError):
+    """A weight dump whose files do not match its manifest, refused before it is sent: SGLang would load the tensors
+    that are there and report success. (HTTP 400 is what the built-in server answers to the same dump.)"""
+
+    def __init__(self, message: str):
+        super().__init__(message, 400)
 
 
 class SGLangClient:
@@ -72,6 +108,8 @@ class SGLangClient:
         max_batch_tokens (`int`, *optional*, defaults to `65536`): token budget of one request; larger batches are
             split and the parts sent concurrently.
         max_concurrency (`int`, *optional*, defaults to `8`): requests in flight at once from this client.
+        admin_api_key (`str` or `None`, *optional*): sent instead of `api_key` on `/update_weights_from_disk` and
+            `/flush_cache` (SGLang's `--admin-api-key` locks them to it).
 
     Examples:
         Start a server (`python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --port 30000`,
@@ -98,6 +136,7 @@ class SGLangClient:
         backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_concurrency: int = 8,
+        admin_api_key: Optional[str] = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.request_timeout = request_timeout
@@ -121,13 +160,18 @@ class SGLangClient:
         self.session.mount("https://", adapter)
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, route: str, json: Any = None, timeout: Optional[float] = None) -> requests.Response:
         url = f"{self.base_url}{route}"
-        body, headers = (None, None) if json is None else (_encode_json(json), {"Content-Type": "application/json"})
+        headers = dict(self.admin_headers) if route in ADMIN_ROUTES else {}
+        body = None if json is None else _encode_json(json)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         try:
-            response = self.session.request(method, url, data=body, headers=headers, timeout=(CONNECT_TIMEOUT, timeout or self.request_timeout))
+            response = self.session.request(method, url, data=body, headers=headers or None,
+                                            timeout=(CONNECT_TIMEOUT, timeout or self.request_timeout))
         except requests.RequestException as err:
             raise ServerError(f"{url}: no answer within the retry budget: {err}") from err
         if 400 <= response.status_code < 500:
@@ -170,10 +214,18 @@ class SGLangClient:
                 bar.update(round(time.monotonic() - start - bar.n))
 
     def model_info(self) -> dict:
-        return self.get_json("/get_model_info")
+        """`/model_info` (SGLang's `/get_model_info` is deprecated and logs a warning per call)."""
+        return self.get_json("/model_info")
 
     def server_info(self) -> dict:
-        return self.get_json("/get_server_info")
+        """`/server_info` (SGLang's `/get_server_info` is deprecated)."""
+        return self.get_json("/server_info")
+
+    def context_length(self) -> Optional[int]:
+        """The longest prompt + completion the server takes (`/server_info`'s `context_length`; SGLang reports null
+        when it takes the model's own, `max_position_embeddings`)."""
+        value = self.server_info().get("context_length")
+        return int(value) if isinstance(value, int) else None
 
     def weight_version(self) -> Optional[str]:
         return self.model_info().get("weight_version")
@@ -214,9 +266,18 @@ class SGLangClient:
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None, **extra: Any) -> dict:
-        """Ask the server to load new weights from `model_path` (a directory it can read); raises on failure."""
+        """Ask the server to load new weights from `model_path` (a directory it can read); raises on failure.
+
+        A dump with a `manifest.json` (the trainer's) that this machine can see is checked first, every file present
+        with its size: SGLang loads whatever tensors a directory holds and reports success.
+        """
         body = update_weights_request(model_path, weight_version, **extra)
         url = f"{self.base_url}/update_weights_from_disk"
+        if os.path.lexists(os.path.join(model_path, MANIFEST)):
+            try:
+                check_manifest(Path(model_path), checksums=False)
+            except WeightFileError as err:
+                raise IncompleteDumpError(f"not asking {url} to load an incomplete dump: {err}") from err
         try:
             result = self.post_json("/update_weights_from_disk", body)
         except ServerRequestError as err:
@@ -228,7 +289,28 @@ class SGLangClient:
 
     # ------------------------------------------------------------- batching
     def _batched_generate(self, items: list, body, sizes: list[int]) -> list[dict]:
-        """POST `/generate` for `items` in token-budgeted parts, concurrently; results in input order."""
+        """POST `/generate` for `items` in token-budgeted parts, concurrently; results in input order. An item the
+        server aborted (HTTP 200 with `finish_reason.type == "abort"` and a partial output, as SGLang answers
+        e.g. a request aborted in its queue) is sent again, `ABORT_RETRIES` times, then `AbortedRequestError`."""
+        results = self._send_generate(items, body, sizes)
+        for attempt in range(ABORT_RETRIES + 1):
+            aborted = [i for i, result in enumerate(results) if _aborted(result)]
+            if not aborted:
+                return results
+            reason = results[aborted[0]]["meta_info"]["finish_reason"]
+            if attempt == ABORT_RETRIES:
+                raise AbortedRequestError(
+                    f"{self.base_url}/generate aborted {len(aborted)} of {len(items)} item(s) (e.g. item {aborted[0]}: "
+                    f"{reason.get('message') or 'no message'}) {ABORT_RETRIES + 1} times; their partial output is not "
+                    "trained on. See the server's log for why it aborts requests.")
+            logger.warning("%s/generate aborted %d item(s) (%s): sending them again", self.base_url, len(aborted),
+                           reason.get("message") or "no message")
+            again = self._send_generate([items[i] for i in aborted], body, [sizes[i] for i in aborted])
+            for i, result in zip(aborted, again):
+                results[i] = result
+        return results
+
+    def _send_generate(self, items: list, body, sizes: list[int]) -> list[dict]:
         if not items:
             return []
         parts = list(_split_by_budget(sizes, self.max_batch_tokens))
@@ -242,6 +324,29 @@ class SGLangClient:
             return send(parts[0])
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(parts))) as pool:
             return [r for chunk in pool.map(send, parts) for r in chunk]
+
+
+def _aborted(result: dict) -> bool:
+    return ((result.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort"
+
+
+def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs") -> dict:
+    """`kwargs` as SGLang `sampling_params`: vLLM names with an SGLang twin renamed (`min_tokens` ->
+    `min_new_tokens`); a key SGLang does not know, or one the trainer sets for every sample, raises `ValueError`
+    naming it and the fix (SGLang would answer every request with HTTP 400)."""
+    out, given = {}, {}
+    for key, value in (kwargs or {}).items():
+        name = VLLM_TWINS.get(key, key)
+        if name in TRAINER_SET:
+            raise ValueError(f"{where}.{key}: set by the trainer for every sample; use {TRAINER_SET[name]}")
+        if name not in SGLANG_SAMPLING_PARAMS:
+            raise ValueError(f"{where}.{key}: not a sampling parameter of SGLang; valid names: "
+                             f"{', '.join(k for k in SGLANG_SAMPLING_PARAMS if k not in TRAINER_SET)} "
+                             f"(vLLM's {', '.join(f'{a} is {b}' for a, b in VLLM_TWINS.items())})")
+        if name in out:
+            raise ValueError(f"{where}: {given[name]} and {key} are the same setting; give one")
+        out[name], given[name] = value, key
+    return out
 
 
 def _split_by_budget(sizes: Iterable[int], budget: int):

@@ -160,7 +160,7 @@ def embedded_server(recipe: Recipe, role: str, spec: ServerSpec):
     no_ref_slot = () if recipe.servers.ref_slot(role) else ("--no-ref-slot",)
     key = key_file(Path(recipe.output_dir))
     keyed = ("--config", str(key)) if key.is_file() else ()
-    return BuiltinServer(model_path, log_path=str(log),
+    return BuiltinServer(model_path, log_path=str(log), deterministic=spec.deterministic,
                          extra_args=("--dtype", spec.dtype, *no_ref_slot, "--weight-dirs", recipe.sync_dir, *keyed,
                                      *map(str, spec.extra_args)))
 

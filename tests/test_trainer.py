@@ -9,7 +9,6 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from open_r1_ext import RemoteGRPOTrainer
-from open_r1_ext.protocol import Completion
 from open_r1_ext.sglang_client import ServerError
 from open_r1_ext.launch.local_server import BuiltinServer, free_port
 from open_r1_ext.trainer.remote_trainer import RemoteReference
@@ -86,14 +85,6 @@ def test_vocabulary_mismatch_is_refused(tiny_model, tmp_path):
             RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
 
 
-def test_prompt_longer_than_server_context_names_prompt_and_limit(tiny_model, tmp_path):
-    with BuiltinServer(str(tiny_model), extra_args=("--context-length", "24", "--no-ref-slot")) as srv:
-        args = tiny_config(tmp_path, max_steps=1, generation_url=srv.url, weight_sync_steps=0, beta=0.0)
-        trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
-        with pytest.raises(ServerError, match=r"input_ids\[\d+\].*context length \(24 tokens\)"):
-            trainer.train()
-
-
 def test_training_rides_through_a_server_restart(tiny_model, tmp_path):
     srv = BuiltinServer(str(tiny_model)).start()
     killer = KillServerAt(srv, step=2, restart_after=1.0)
@@ -145,50 +136,6 @@ def test_openai_backend_with_token_ids_and_text_only(tiny_model, server, tmp_pat
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
     trainer.train()
     assert trainer.state.global_step == 1
-
-
-def multiply(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a * b
-
-
-def test_tool_calls_take_their_next_turn_from_the_server(tiny_model, server, tmp_path):
-    """TRL's tool loop reads `use_vllm` (on here: it switches TRL's importance-sampling correction) together with
-    `vllm_mode == "colocate"` to reach for a local vLLM engine; with remote generation the next turn comes from the
-    server instead."""
-    from trl.chat_template_utils import qwen2_5_chat_template
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenizer.chat_template = qwen2_5_chat_template  # a template TRL knows how to parse tool calls from
-    args = tiny_config(tmp_path, max_steps=1, generation_url=server.url, weight_sync_steps=0, beta=0.0,
-                       max_completion_length=128)
-    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
-                                processing_class=tokenizer, tools=[multiply])
-    assert trainer.use_vllm and trainer.vllm_mode != "colocate"
-    client = trainer.remote_generation.client
-    real_generate, calls = client.generate, []
-    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>'
-    call_ids = tokenizer(call, add_special_tokens=False)["input_ids"]
-
-    def model_calls_the_tool_first(prompts, sampling, n=1, seeds=None):
-        groups = real_generate(prompts, sampling, n=n, seeds=seeds)
-        calls.append((prompts, n))
-        if len(calls) == 1:  # the tiny random model never calls a tool by itself: its first turn does here
-            groups = [[Completion(call_ids, [-1.0] * len(call_ids), "stop", c.weight_version) for c in g] for g in groups]
-        return groups
-
-    client.generate = model_calls_the_tool_first
-    trainer.train()
-    assert trainer.state.global_step == 1
-    (_, first_n), (next_turn, next_n) = calls
-    assert first_n == 4 and next_n == 1 and len(next_turn) == 4  # each sample continues its own history
-    assert all("42" in tokenizer.decode(ids) for ids in next_turn)  # the tool's answer is in the next turn's prompt
 
 
 def test_generation_object_sync_and_async_behind_one_interface(tiny_model, server, tmp_path):

@@ -96,7 +96,8 @@ class ServerSpec(Section):
     """A role's own server: one the launchers start (`engine`, with `resources`), or one already running (`url`).
 
     `engine`: `builtin` (this package's server, one device), `sglang`, or `openai` (an OpenAI-compatible
-    `/v1/completions` server already running at `url`; generation only).
+    `/v1/completions` server already running at `url`; generation only). `deterministic` starts the server with
+    `--enable-deterministic-inference`, without which SGLang and the built-in server ignore `sampling_seed`.
     """
 
     engine: Literal["builtin", "sglang", "openai"] = "builtin"
@@ -107,8 +108,18 @@ class ServerSpec(Section):
     dp_size: int = Field(1, ge=1)
     mem_fraction_static: Optional[float] = Field(None, gt=0, le=1)
     dtype: DType = "auto"
+    deterministic: bool = False
     extra_args: list[Union[str, int, float]] = []
     resources: Resources = Field(default_factory=Resources)
+
+    def extra_arg(self, *flags: str) -> Optional[str]:
+        """The value `extra_args` gives one of `flags` (`--flag V` or `--flag=V`), if any."""
+        words = [str(a) for a in self.extra_args]
+        for i, word in enumerate(words):
+            name, sep, value = word.partition("=")
+            if name in flags:
+                return value if sep else (words[i + 1] if i + 1 < len(words) else "")
+        return None
 
     @property
     def started(self) -> bool:
@@ -624,6 +635,14 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
         if spec.engine == "builtin" and (spec.tp_size != 1 or spec.dp_size != 1 or spec.resources.nodes != 1):
             problems.append((f"{key}.tp_size", "the built-in server runs on one device of one node: set tp_size 1, "
                                                "dp_size 1, resources.nodes 1, or use engine: sglang"))
+        if spec.engine == "sglang" and spec.started:
+            _check_sglang_nodes(spec, key, problems)
+        if spec.extra_arg("--admin-api-key") is not None:
+            problems.append((f"{key}.extra_args", "--admin-api-key locks /update_weights_from_disk and /flush_cache to "
+                                                  "an admin key, which the launchers would have to put on the command "
+                                                  "line (the run's API key is kept off it): remove it; for a server you "
+                                                  "start yourself with an admin key, give its url and "
+                                                  "trainer.server_admin_api_key"))
     if isinstance(generation, ServerSpec):
         if generation.engine == "openai" and generation.url is None:
             problems.append(("servers.generation.url", "engine: openai uses an OpenAI-compatible server that is already "
@@ -662,6 +681,21 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
     if soft and isinstance(host, ServerSpec) and host.engine != "builtin":
         problems.append(("sync.ref_model_mixup_alpha", f"{host.engine} reloads weights as they are and cannot mix old "
                                                        "and new (soft update); set 1.0, or host the reference on engine: builtin"))
+
+
+def _check_sglang_nodes(spec: ServerSpec, key: str, problems: list) -> None:
+    """What SGLang 0.5.23 refuses at start with several nodes (`arg_groups/validation_hook.py` ~179-202)."""
+    nodes = spec.resources.nodes
+    if nodes == 1:
+        return
+    pp = spec.extra_arg("--pp-size", "--pipeline-parallel-size")
+    pp_size = int(pp) if pp and pp.isdigit() else 1
+    if spec.dp_size != 1:
+        problems.append((f"{key}.dp_size", f"SGLang runs no data-parallel replicas across nodes (nnodes={nodes}): set "
+                                           "dp_size 1 and use tp_size, or one server job per node (resources.nodes 1)"))
+    if (spec.tp_size * pp_size) % nodes:
+        problems.append((f"{key}.tp_size", f"SGLang needs tp_size x pp_size ({spec.tp_size} x {pp_size}) divisible by "
+                                           f"the number of nodes (nnodes={nodes}): change tp_size or resources.nodes"))
 
 
 def _check_batch(recipe: Recipe, problems: list) -> None:

@@ -21,6 +21,7 @@ MAIN_PROCESS_PORT = 29500  # accelerate's rendezvous port on the trainer's first
 DIST_INIT_PORT_OFFSET = 100  # SGLang's multi-node rendezvous: server port + this, on the server's first node
 POLL_S = 10  # seconds between progress lines of every wait, and the longest interval between squeue calls
 SBATCH, SUBMITIT = "sbatch", "submitit"  # the two launchers; each names its jobs' log files its own way
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # SGLang's spelling; the built-in server takes it too
 
 
 class PlanError(ValueError):
@@ -226,6 +227,8 @@ class SlurmPlan:
         else:
             cmd = [sys.executable, "-m", "open_r1_ext.server", *common, "--dtype", server.dtype]
             cmd += [] if self.recipe.servers.ref_slot(SERVER_ROLES[role]) else ["--no-ref-slot"]
+        if server.deterministic:
+            cmd.append(DETERMINISTIC_FLAG)
         if server.engine == "builtin":  # /update_weights_from_disk reads only this run's dumps (SGLang has no such flag)
             cmd += ["--weight-dirs", self.recipe.sync_dir]
         if uses_key(self.recipe):  # the run's key, from its owner-only file: never on the command line (run_key.py)

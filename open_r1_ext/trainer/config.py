@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 from trl import GRPOConfig
 
-from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT
+from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, sampling_kwargs
 from open_r1_ext.trainer.weight_sync import DEFAULT_BUCKET_MB
 
 GENERATION_BACKENDS = ("sglang", "openai")
@@ -54,10 +54,16 @@ class RemoteGRPOConfig(GRPOConfig):
             The `model` field sent to an OpenAI-compatible server (`generation_backend="openai"`); defaults to the
             first model the server lists at `/v1/models`.
 
+        With `generation_url`, TRL's `generation_kwargs` are SGLang `sampling_params`: checked here against SGLang's
+        names (vLLM's `min_tokens` becomes `min_new_tokens`; an unknown key is refused with the list of valid ones).
+
         > Server connection
 
         server_api_key (`str` or `None`, *optional*, defaults to `None`):
             Sent as `Authorization: Bearer KEY` to every server.
+        server_admin_api_key (`str` or `None`, *optional*, defaults to `None`):
+            Sent instead on `/update_weights_from_disk` and `/flush_cache`, for SGLang servers started with
+            `--admin-api-key` (which then lock those routes to it).
         request_timeout (`float`, *optional*, defaults to `600.0`):
             Seconds one HTTP call may take before it is retried.
         max_retries (`int`, *optional*, defaults to `8`):
@@ -126,6 +132,9 @@ class RemoteGRPOConfig(GRPOConfig):
     )
     server_api_key: Optional[str] = field(
         default=None, metadata={"help": "Sent as `Authorization: Bearer KEY` to every server."}
+    )
+    server_admin_api_key: Optional[str] = field(
+        default=None, metadata={"help": "Sent as the bearer token on /update_weights_from_disk and /flush_cache."}
     )
     request_timeout: float = field(default=DEFAULT_REQUEST_TIMEOUT, metadata={"help": "Seconds one HTTP call may take."})
     max_retries: int = field(
@@ -205,6 +214,8 @@ class RemoteGRPOConfig(GRPOConfig):
                 raise ValueError(f"{name}={url!r}: give a base URL such as 'http://node-3:30000'")
         if self.use_vllm and self.generation_url:
             raise ValueError("use_vllm=True and generation_url are exclusive: generation happens on one backend")
+        if self.generation_url and self.generation_kwargs:
+            self.generation_kwargs = sampling_kwargs(self.generation_kwargs)
         if self.request_timeout <= 0 or self.server_wait_timeout <= 0:
             raise ValueError("request_timeout and server_wait_timeout must be positive (seconds)")
         if self.max_retries < 0:

@@ -1,11 +1,14 @@
 """Remote generation for `RemoteGRPOTrainer`, in the shape of TRL's `VLLMGeneration`: the trainer's hooks call
 `generate()`, `sync_weights()`, `batches()` and `close()`. `RemoteGeneration` samples a batch when the trainer asks;
 `AsyncRemoteGeneration` reads batches ahead and samples them on a rollout thread while the current step trains.
-Both own the generation server's client, its weight-sync target, the per-sample seeds and the staleness log.
+Both own the generation server's client, its weight-sync target, the per-sample seeds, the context-length check
+and the staleness log. A user's `rollout_func` and TRL's tool loop call `generate()` for each turn.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import random
@@ -26,7 +29,8 @@ logger = logging.getLogger(__name__)
 def server_client(args: RemoteGRPOConfig, url: str) -> SGLangClient:
     """An `SGLangClient` for `url` with the config's key, timeout, retries and batch budget."""
     return SGLangClient(url, api_key=args.server_api_key, request_timeout=args.request_timeout,
-                        max_retries=args.max_retries, max_batch_tokens=args.max_batch_tokens)
+                        max_retries=args.max_retries, max_batch_tokens=args.max_batch_tokens,
+                        admin_api_key=args.server_admin_api_key)
 
 
 def remote_generation(trainer, weight_sync: WeightSync) -> Optional["RemoteGeneration"]:
@@ -63,14 +67,34 @@ class RemoteGeneration:
             self.target = SyncTarget("generation", getattr(client, "http", client))
             weight_sync.targets.append(self.target)
         self._weights_checked = False
+        self.context_length: Optional[int] = None  # read by `read_context_length` at start-up
+        self.later_turn = False  # set while TRL's tool loop asks for the turns after a tool call
 
     # ------------------------------------------------------------ interface
     def generate(self, prompt_ids: list[list[int]], num_generations: int) -> list[Completion]:
-        """One completion per entry of `prompt_ids` (TRL's layout: each prompt repeated `num_generations` times)."""
+        """One completion per entry of `prompt_ids` (TRL's layout: each prompt repeated `num_generations` times).
+
+        A `rollout_func` may call it once per turn: each call's seeds depend on its prompts, so two turns of a step
+        sample independently while a retried step samples the same."""
         self.ensure_weights()
-        completions = self._job(prompt_ids, num_generations, self._seeds(len(prompt_ids)))()
+        completions = self._job(prompt_ids, num_generations, self._seeds(len(prompt_ids), prompts_salt(prompt_ids)))()
         self._log_rollout(completions)
         return completions
+
+    def read_context_length(self, model_config) -> None:
+        """At start-up: the server's context length (`/server_info`), else the model's `max_position_embeddings`
+        (what SGLang takes when it was started without `--context-length`)."""
+        reported = self.client.context_length() if isinstance(self.client, SGLangClient) else None
+        self.context_length = reported or getattr(model_config, "max_position_embeddings", None)
+
+    @contextlib.contextmanager
+    def later_turns(self):
+        """While TRL's tool loop runs: its turns after a tool call may be truncated to the context (see `_fitting`)."""
+        self.later_turn = True
+        try:
+            yield
+        finally:
+            self.later_turn = False
 
     def batches(self, epoch_iterator: Iterator) -> Iterator:
         """The training loop's batches, read through this object (the async variant reads ahead)."""
@@ -121,7 +145,7 @@ class RemoteGeneration:
     def _job(self, prompt_ids, num_generations: int, seeds: list[int]) -> Callable[[], list[Completion]]:
         """A callable that generates the completions of `prompt_ids` (on this thread or the rollout thread)."""
         unique, n = group_repeated_prompts(prompt_ids, num_generations)
-        sampling = self._sampling_params()
+        sampling = self._fitting(unique, self._sampling_params())
 
         def generate() -> list[Completion]:
             with self.trainer.step_timer.part("generate"):  # async: on the rollout thread, beside the step
@@ -136,6 +160,27 @@ class RemoteGeneration:
 
         return generate
 
+    def _fitting(self, prompts: list[list[int]], sampling: dict) -> dict:
+        """`sampling`, checked to fit the server's context (SGLang answers 400 to a prompt + `max_new_tokens` past it,
+        failing the whole batch). A first turn that does not fit is refused before anything is sent, naming it; a
+        later turn of TRL's tool loop asks for what fits (TRL cuts those turns to the completion budget anyway)."""
+        limit, max_new = self.context_length, sampling["max_new_tokens"]
+        if limit is None:
+            return sampling
+        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        length = len(prompts[longest])
+        if length + max_new <= limit:
+            return sampling
+        if self.later_turn and length < limit:
+            return {**sampling, "max_new_tokens": limit - length}
+        text = " ".join(self.trainer.processing_class.decode(prompts[longest], skip_special_tokens=True).split())
+        raise ValueError(
+            f"prompt {longest} of this batch ({length} tokens: {text if len(text) <= 100 else text[:50] + ' ... ' + text[-50:]!r}) "
+            f"plus max_completion_length={max_new} "
+            f"does not fit the generation server's context length of {limit} tokens "
+            f"({self.client.base_url}): shorten or filter out long prompts, lower max_completion_length, or start the "
+            "server with a larger --context-length")
+
     def _sampling_params(self) -> dict:
         trainer = self.trainer
         params = dict(temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k,
@@ -144,7 +189,7 @@ class RemoteGeneration:
         params.update(trainer.args.generation_kwargs or {})  # the user's generation_kwargs win, as before
         return sampling_params(trainer.max_completion_length, **params)
 
-    def _seeds(self, count: int, salt: int = 0) -> list[int]:
+    def _seeds(self, count: int, salt: object = 0) -> list[int]:
         trainer = self.trainer
         return sampling_seeds(trainer.args.seed, trainer.state.global_step, "train" if trainer.model.training else "eval",
                               trainer.accelerator.process_index, count, salt)
@@ -193,9 +238,10 @@ class AsyncRemoteGeneration(RemoteGeneration):
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int) -> list[Completion]:
         announced = self.rollouts.take(prompts_key(prompt_ids))
-        if announced is None:  # not read ahead (e.g. the first batch after a resume, or eval): generate it now, in order
+        if announced is None:  # not read ahead (the first batch after a resume, eval, later turns): generate it now
             self.ensure_weights()
-            announced = self.rollouts.submit(self._job(prompt_ids, num_generations, self._seeds(len(prompt_ids))))
+            seeds = self._seeds(len(prompt_ids), prompts_salt(prompt_ids))
+            announced = self.rollouts.submit(self._job(prompt_ids, num_generations, seeds))
         with self.trainer.step_timer.part("rollout_wait"):
             completions = announced.result()
         self._log_rollout(completions)
@@ -305,7 +351,12 @@ def prompts_key(prompt_ids) -> tuple:
     return tuple(tuple(int(t) for t in ids) for ids in prompt_ids)
 
 
-def sampling_seeds(seed: int, step: int, mode: str, rank: int, count: int, salt: int = 0) -> list[int]:
+def prompts_salt(prompt_ids) -> str:
+    """A short digest of the prompts: seeds salted with it differ between turns and agree when a step is retried."""
+    return hashlib.blake2b(repr(prompts_key(prompt_ids)).encode(), digest_size=8).hexdigest()
+
+
+def sampling_seeds(seed: int, step: int, mode: str, rank: int, count: int, salt: object = 0) -> list[int]:
     """One seed per sample, a function of (seed, step, mode, rank, salt): a retried or resumed step samples the same."""
     rng = random.Random(f"{seed}/{step}/{mode}/{rank}/{salt}")
     return [rng.getrandbits(63) for _ in range(count)]

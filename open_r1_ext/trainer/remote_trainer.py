@@ -66,8 +66,9 @@ class RemoteGRPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs, args: RemoteGRPOConfig, *pargs, **kwargs):
         if not isinstance(args, RemoteGRPOConfig):
             raise TypeError(f"RemoteGRPOTrainer needs a RemoteGRPOConfig, got {type(args).__name__}")
-        if args.generation_url and kwargs.get("rollout_func") is not None:
-            raise ValueError("rollout_func and generation_url are exclusive: the server does the rollout")
+        if args.async_generation and kwargs.get("rollout_func") is not None:
+            raise ValueError("rollout_func and async_generation=True are exclusive: the look-ahead samples TRL's own "
+                             "single-turn batches, which a rollout_func replaces; set async_generation=False")
         remote_reference = args.remote_reference
         beta, sync_ref_model = args.beta, args.sync_ref_model
         # TRL builds a local reference model whenever beta != 0: hide beta while it initialises. Reference sync is
@@ -118,7 +119,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self.use_vllm, self.vllm_mode = bool(enabled), REMOTE_VLLM_MODE
 
     def _check_servers(self) -> None:
-        """Wait for each server, then refuse to train if it serves another model or vocabulary than ours."""
+        """Wait for each server, then refuse to train if it serves another model or vocabulary than ours, or cannot
+        do the soft reference update asked for; read the generation server's context length."""
         progress = self.accelerator.is_main_process
         generation_client = self.remote_generation.client if self.remote_generation is not None else None
         for role, client in (("reference", self.ref_client), ("generation", generation_client)):
@@ -128,6 +130,15 @@ class RemoteGRPOTrainer(GRPOTrainer):
             mismatch = describe_model_mismatch(client.model_info(), self.model.config, len(self.processing_class))
             if mismatch:
                 raise ValueError(f"The {role} server at {client.base_url} serves another model than the trainer's: {mismatch}")
+        target = self.reference_target
+        if target is not None and target.mixup_alpha not in (None, 1.0) and not target.client.server_info().get("supports_weight_mixup"):
+            raise ValueError(
+                f"ref_model_mixup_alpha={target.mixup_alpha}: the reference server at {target.client.base_url} does not "
+                "say it can mix old and new weights on a reload (no supports_weight_mixup in its /server_info); SGLang "
+                "reloads weights as they are, so every soft update would silently be a full copy. Set "
+                "ref_model_mixup_alpha=1.0, or host the reference on the built-in server.")
+        if self.remote_generation is not None:
+            self.remote_generation.read_context_length(self.model.config)
 
     def _time_steps(self, remote_reference: bool) -> None:
         """Log each step's parts (`step_timing.py`): those this run can have. Weight sync is timed around the calls
@@ -222,6 +233,19 @@ class RemoteGRPOTrainer(GRPOTrainer):
         if logprobs is None:
             self._use_importance_sampling(False)  # no sampling log-probs from this server: nothing to correct with
         return completion_ids, logprobs
+
+    def _generate(self, prompts):
+        if self.remote_generation is not None and self.rollout_func is not None:
+            # TRL would sync vLLM before a rollout_func (it reads use_vllm, on here for its importance sampling);
+            # the weight-sync callback has synced the server already.
+            self._last_loaded_step = self.state.global_step
+        return super()._generate(prompts)
+
+    def _tool_call_loop(self, *args, **kwargs):
+        if self.remote_generation is None:
+            return super()._tool_call_loop(*args, **kwargs)
+        with self.remote_generation.later_turns():
+            return super()._tool_call_loop(*args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         # (only the training loop reads its batches through this method)
@@ -381,7 +405,8 @@ def completion_logps(scored: list[torch.Tensor], input_ids: torch.Tensor, attent
 
 
 def describe_model_mismatch(model_info: dict, config, tokenizer_size: int) -> Optional[str]:
-    """What differs between a server's `/get_model_info` and the trainer's model, or None if nothing we can see."""
+    """What differs between a server's `/model_info` and the trainer's model, or None if nothing we can see
+    (SGLang reports `model_type` and `architectures`; the built-in server adds `vocab_size`)."""
     problems = []
     vocab = model_info.get("vocab_size")
     if vocab is not None and vocab != config.vocab_size:
@@ -391,4 +416,7 @@ def describe_model_mismatch(model_info: dict, config, tokenizer_size: int) -> Op
     server_type = model_info.get("model_type")
     if server_type is not None and server_type != getattr(config, "model_type", None):
         problems.append(f"model_type {server_type!r} on the server, {config.model_type!r} in the trainer")
+    served, ours = model_info.get("architectures"), getattr(config, "architectures", None)
+    if served and ours and sorted(served) != sorted(ours):
+        problems.append(f"architectures {served} on the server, {ours} in the trainer")
     return "; ".join(problems) or None

@@ -1,0 +1,147 @@
+"""A fake SGLang 0.5.23 HTTP server, for the behaviours of SGLang that the built-in server does not share and that
+cannot run here (SGLang needs CUDA). It answers as SGLang's source does, each behaviour citing its lines
+(paths under `sglang/srt/` of the 0.5.23 wheel); it has no model: completions are a fixed function of the prompt.
+
+`with FakeSGLang(...) as fake:` serves on a free port in a thread (real HTTP); `fake.calls` lists `(method, path,
+body, authorization)` of every request it received.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+
+from open_r1_ext.sglang_client import SGLANG_SAMPLING_PARAMS
+
+DEPRECATED = {"/get_model_info": "/model_info", "/get_server_info": "/server_info"}  # http_server.py ~802-863
+ADMIN_OPTIONAL = ("/update_weights_from_disk", "/flush_cache")  # http_server.py ~1026, ~1301
+
+
+class FakeSGLang:
+    """SGLang's answers for a model with `architectures` and `model_type`, `vocab_size` tokens and `context_length`
+    (null in `/server_info` unless `report_context_length`, as when SGLang was started without `--context-length`)."""
+
+    def __init__(self, architectures=("Qwen2ForCausalLM",), model_type: str = "qwen2", vocab_size: int = 300,
+                 context_length: int = 2048, report_context_length: bool = False, api_key: Optional[str] = None,
+                 admin_api_key: Optional[str] = None, aborts: int = 0):
+        self.architectures, self.model_type, self.vocab_size = list(architectures), model_type, vocab_size
+        self.context_length, self.report_context_length = context_length, report_context_length
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.aborts = aborts  # the next this many generated items are aborted
+        self.weight_version = "default"
+        self.calls: list[tuple[str, str, Optional[dict], Optional[str]]] = []
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> "FakeSGLang":
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def paths(self, method: Optional[str] = None) -> list[str]:
+        return [path for m, path, _, _ in self.calls if method in (None, m)]
+
+    # ------------------------------------------------------------------ routes
+    def model_info(self) -> dict:  # http_server.py ~812-849: no vocab_size
+        return {"model_path": "fake/model", "served_model_name": "fake/model", "tokenizer_path": "fake/model",
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": self.model_type, "architectures": self.architectures}
+
+    def server_info(self) -> dict:  # http_server.py ~863-891: the resolved server args plus scheduler info
+        return {"context_length": self.context_length if self.report_context_length else None,
+                "max_total_num_tokens": 100000, "max_req_input_len": self.context_length - 6,
+                "enable_deterministic_inference": False, "version": "0.5.23", "internal_states": [{}]}
+
+    def generate(self, body: dict) -> tuple[int, object]:
+        prompts = body["input_ids"] if body["input_ids"] and isinstance(body["input_ids"][0], list) else [body["input_ids"]]
+        params = body.get("sampling_params") or {}
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        out = []
+        for ids, sampling in zip(prompts, params):
+            unknown = sorted(set(sampling) - set(SGLANG_SAMPLING_PARAMS))
+            if unknown:  # SamplingParams(**kwargs) raises (tokenizer_manager.py ~1565): HTTP 400
+                return 400, {"error": {"message": f"Unexpected keyword argument {unknown[0]!r}"}}
+            max_new = sampling.get("max_new_tokens", 128)
+            if len(ids) >= self.context_length or len(ids) + max_new > self.context_length:  # tokenizer_manager ~1338-1378
+                return 400, {"error": {"message": f"Requested token count exceeds the model's maximum context length "
+                                                  f"of {self.context_length} tokens."}}
+            out.append(self._one(ids, max_new, body))
+        return 200, out if isinstance(body["input_ids"][0], list) else out[0]
+
+    def _one(self, ids: list[int], max_new: int, body: dict) -> dict:
+        output = [(sum(ids) + 7 * j) % self.vocab_size for j in range(max_new)]
+        meta = {"prompt_tokens": len(ids), "completion_tokens": max_new, "weight_version": self.weight_version,
+                "finish_reason": {"type": "length", "length": max_new}}
+        with self.lock:
+            abort, self.aborts = self.aborts > 0, max(self.aborts - 1, 0)
+        if abort:  # an abort without a status code: HTTP 200, partial output (tokenizer_manager.py ~3594-3640)
+            output = output[:1]
+            meta.update(finish_reason={"type": "abort", "message": "Abort in waiting queue"}, completion_tokens=len(output))
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[-1.0, t, None] for t in output]
+            meta["input_token_logprobs"] = [[None if i == 0 else -2.0, t, None] for i, t in enumerate(ids)]
+        return {"text": "", "output_ids": output, "meta_info": meta}
+
+    def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
+        # Unknown keys (e.g. mixup_alpha) are dropped (utils/msgspec_utils.py ~95-99); the loader takes whatever
+        # tensors the directory holds and reports success (weight_updater.py ~174-255).
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    # ------------------------------------------------------------------ HTTP
+    def _allowed(self, path: str, authorization: Optional[str]) -> bool:
+        """utils/auth.py ~100-151: /health* open; admin routes take only the admin key when one is set."""
+        if path.startswith("/health"):
+            return True
+        if path in ADMIN_OPTIONAL and self.admin_api_key:
+            return authorization == f"Bearer {self.admin_api_key}"
+        return self.api_key is None or authorization == f"Bearer {self.api_key}"
+
+    def _answer(self, method: str, path: str, body: Optional[dict]) -> tuple[int, object]:
+        path = DEPRECATED.get(path, path)  # the deprecated routes log a warning, then answer as the new ones
+        routes = {("GET", "/health"): lambda: (200, ""), ("GET", "/model_info"): lambda: (200, self.model_info()),
+                  ("GET", "/server_info"): lambda: (200, self.server_info()),
+                  ("POST", "/generate"): lambda: self.generate(body),
+                  ("POST", "/update_weights_from_disk"): lambda: self.update_weights_from_disk(body),
+                  ("POST", "/flush_cache"): lambda: (200, "Cache flushed.\n")}
+        route = routes.get((method, path))
+        return route() if route else (404, {"detail": "Not Found"})
+
+    def _handler(self):
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _serve(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                authorization = self.headers.get("Authorization")
+                fake.calls.append((method, self.path, body, authorization))
+                if not fake._allowed(self.path, authorization):
+                    status, answer = 401, {"error": "Unauthorized"}
+                else:
+                    status, answer = fake._answer(method, self.path, body)
+                data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain" if isinstance(answer, str) else "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._serve("GET")
+
+            def do_POST(self):
+                self._serve("POST")
+
+        return Handler

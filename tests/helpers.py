@@ -1,11 +1,18 @@
 """Helpers shared by the tests: a tiny prompt dataset, a reward, configs sized for 2 CPU cores, model variants,
-and the server chores (restore its start-up weights, kill and restart it mid-training)."""
+the server chores (restore its start-up weights, kill and restart it mid-training), a stand-in HTTP server in a
+thread, and `open_r1_ext.train` as a real process (its recipe, its step lines, its children)."""
 
 import signal
+import subprocess
+import sys
 import threading
+import time
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
+import yaml
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
@@ -14,6 +21,72 @@ from open_r1_ext.launch.local_server import BuiltinServer
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION
 from open_r1_ext.sglang_client import SGLangClient
 from tools.bench_common import arithmetic_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_recipe(tmp_path: Path, tiny_model: Path, **trainer) -> Path:
+    raw = yaml.safe_load((REPO / "recipes/tiny/grpo.yaml").read_text())
+    raw["model"]["name_or_path"] = str(tiny_model)
+    raw["data"]["dataset"] = str(REPO / raw["data"]["dataset"])
+    raw["trainer"].update(output_dir=str(tmp_path / "run"), save_strategy="no", **trainer)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def start_training(recipe: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "open_r1_ext.train", "--config", str(recipe), *overrides],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def step_lines(process: subprocess.Popen, until_step: int) -> list[int]:
+    """The steps the trainer prints (`step   3/30  reward ...`), read until `until_step` (or its end)."""
+    steps = []
+    for line in process.stdout:
+        if line.startswith("step "):
+            steps.append(int(line.split()[1].split("/")[0]))
+            if steps[-1] >= until_step:
+                break
+    return steps
+
+
+def children(pid: int, name: str) -> list[int]:
+    """The child processes of `pid` whose command line holds `name`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and name.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def gone(pid: int, within_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@contextmanager
+def http_server(handler) -> Iterator[str]:
+    """A real HTTP server on a free port answering with `handler` (a `BaseHTTPRequestHandler` class), in a thread:
+    yields its URL."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
 
 
 def tiny_dataset(n: int = 16) -> Dataset:

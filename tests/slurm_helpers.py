@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
+
 RECIPE = "recipes/tiny/grpo.yaml"
 JOB_WAIT_S = 240  # bound of every wait for a run's jobs to finish
 

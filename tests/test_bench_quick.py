@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 
 def run_quick_bench(tool: str, json_path: Path) -> dict:

@@ -3,10 +3,7 @@ next), the traceback in a file, the failing step's metrics logged, a checkpoint 
 per failure (a reload does not multiply the client's retries). Real server processes and the real tiny model."""
 
 import subprocess
-import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +12,8 @@ from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.local_server import BuiltinServer
 from open_r1_ext.sglang_client import SGLangClient, ServerError
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError
-from tests.helpers import KillServerAt, reward_len, tiny_config, tiny_dataset
-from tests.test_stop import children, start_training, step_lines, tiny_recipe
+from tests.helpers import (KillServerAt, children, http_server, reward_len, start_training, step_lines, tiny_config,
+                           tiny_dataset, tiny_recipe)
 
 
 class Unavailable(BaseHTTPRequestHandler):
@@ -37,17 +34,13 @@ class Unavailable(BaseHTTPRequestHandler):
 
 
 def test_a_lost_server_costs_one_retry_budget_not_one_per_reload_attempt(tmp_path):
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        client = SGLangClient(f"http://127.0.0.1:{httpd.server_port}", max_retries=2, backoff_factor=0.0)
+    with http_server(Unavailable) as url:
+        client = SGLangClient(url, max_retries=2, backoff_factor=0.0)
         sync = WeightSync(SimpleNamespace(is_main_process=True, num_processes=1), str(tmp_path / "weights"), 2,
                           str(tmp_path / "weight_sync.jsonl"), targets=[])
         with pytest.raises(WeightSyncError, match="the generation server did not take the new weights"):
             sync.push(SyncTarget("generation", client), tmp_path, "1")
         assert Unavailable.calls == 3  # the client's 1 + 2 retries, once (it was 3 reload attempts x 3 before)
-    finally:
-        httpd.shutdown()
 
 
 def test_a_failed_sync_logs_its_step_saves_a_checkpoint_and_says_what_next(tiny_model, tmp_path):

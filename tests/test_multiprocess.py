@@ -8,9 +8,7 @@ from pathlib import Path
 
 import requests
 
-from tests.helpers import restore_default_weights
-
-REPO = Path(__file__).resolve().parents[1]  # `-m tests.<script>` runs from the repository root
+from tests.helpers import REPO, restore_default_weights
 
 
 def run_ranks(tiny_model, url, out: Path, processes: int, per_device: int) -> list[dict]:

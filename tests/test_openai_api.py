@@ -7,9 +7,8 @@ tests (the built-in server has no `/v1/chat/completions`)."""
 
 import json
 import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import openai
 import pytest
@@ -21,7 +20,7 @@ from open_r1_ext.launch.local_server import BuiltinServer
 from open_r1_ext.openai_client import OpenAICompletionsClient, ServerAbilities
 from open_r1_ext.protocol import completion_from_choice
 from open_r1_ext.sglang_client import ServerError
-from tests.helpers import reward_len, tiny_config, tiny_dataset
+from tests.helpers import http_server, reward_len, tiny_config, tiny_dataset
 
 API_KEY = "sk-123456"
 PROMPT = "The capital of France is"
@@ -273,10 +272,8 @@ class FailsOnIds(BaseHTTPRequestHandler):
 
 
 def test_a_deterministic_500_is_retried_a_few_times_and_reported(tokenizer):
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FailsOnIds)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        client = OpenAICompletionsClient(f"http://127.0.0.1:{httpd.server_port}", tokenizer=tokenizer, backoff_factor=0.1)
+    with http_server(FailsOnIds) as url:
+        client = OpenAICompletionsClient(url, tokenizer=tokenizer, backoff_factor=0.1)
         started = time.monotonic()
         assert client.abilities.token_id_prompts is False  # the probe went on to text prompts
         with pytest.raises(ServerError, match="HTTP 500 after retries: .*prompt_logprobs: value is not a valid integer"):
@@ -285,5 +282,3 @@ def test_a_deterministic_500_is_retried_a_few_times_and_reported(tokenizer):
         assert [isinstance(b["prompt"][0], str) for b in probes] == [False] * 3 + [True]  # 1 try + 2 retries, then text
         assert len(FailsOnIds.bodies) - len(probes) == 3  # the first try and two retries, not minutes of them
         assert time.monotonic() - started < 10
-    finally:
-        httpd.shutdown()

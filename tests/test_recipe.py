@@ -10,8 +10,8 @@ import yaml
 from open_r1_ext.launch.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.slurm_plan import ShellVar, SlurmPlan, shell_join
 from open_r1_ext.train import servers
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(REPO.glob("recipes/*/grpo/*.yaml")) + [REPO / "recipes/tiny/grpo.yaml"]
 
 

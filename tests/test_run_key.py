@@ -5,9 +5,7 @@ process started with the plan's own command line."""
 
 from __future__ import annotations
 
-import os
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest

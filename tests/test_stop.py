@@ -8,7 +8,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import requests
@@ -16,62 +15,7 @@ import yaml
 
 from open_r1_ext.launch.jobs import SIGTERM_EXIT
 from open_r1_ext.launch.run_key import key_file
-from tests.helpers import restore_default_weights
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def tiny_recipe(tmp_path: Path, tiny_model: Path, **trainer) -> Path:
-    raw = yaml.safe_load((REPO / "recipes/tiny/grpo.yaml").read_text())
-    raw["model"]["name_or_path"] = str(tiny_model)
-    raw["data"]["dataset"] = str(REPO / raw["data"]["dataset"])
-    raw["trainer"].update(output_dir=str(tmp_path / "run"), save_strategy="no", **trainer)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def start_training(recipe: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "open_r1_ext.train", "--config", str(recipe), *overrides],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def step_lines(process: subprocess.Popen, until_step: int) -> list[int]:
-    """The steps the trainer prints (`step   3/30  reward ...`), read until `until_step` (or its end)."""
-    steps = []
-    for line in process.stdout:
-        if line.startswith("step "):
-            steps.append(int(line.split()[1].split("/")[0]))
-            if steps[-1] >= until_step:
-                break
-    return steps
-
-
-def children(pid: int, name: str) -> list[int]:
-    """The child processes of `pid` whose command line holds `name`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and name.encode() in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
-def gone(pid: int, within_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.2)
-    return False
-
+from tests.helpers import REPO, children, gone, restore_default_weights, start_training, step_lines, tiny_recipe
 
 def check_embedded_server_wants_the_run_key(pid: int, run: Path) -> None:
     """The embedded server holds this run's key (from the owner-only file, not its command line) and reloads only

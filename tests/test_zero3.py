@@ -14,9 +14,7 @@ from transformers import AutoModelForCausalLM
 from open_r1_ext.launch.local_server import free_port
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.weight_files import INDEX, check_manifest
-from tests.helpers import restore_default_weights
-
-REPO = Path(__file__).resolve().parents[1]  # `-m tests.<script>` runs from the repository root
+from tests.helpers import REPO, restore_default_weights
 
 
 def launch(*args, env=None) -> subprocess.CompletedProcess:

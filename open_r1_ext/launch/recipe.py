@@ -516,7 +516,16 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
         try:
             recipe.trainer_config(generation_url="http://validate:0", ref_model_url="http://validate:0", on_this_machine=False)
         except Exception as err:  # noqa: BLE001 - TRL's and transformers' own checks: any of them is the recipe's problem
-            problems.append(("trainer", f"{err}"))
+            problems.append((_config_error_key(str(err)), f"{err}"))
+
+
+def _config_error_key(message: str) -> str:
+    """Where a config check's `name=value: ...` message belongs: `sync.name` or `trainer.name` (else `trainer`)."""
+    name = message.partition("=")[0]
+    for section, model in _config_sections().items():
+        if name in model.model_fields:
+            return f"{section}.{name}"
+    return "trainer"
 
 
 REWARD_REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  # package.module:function

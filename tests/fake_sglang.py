@@ -2,18 +2,20 @@
 cannot run here (SGLang needs CUDA). It answers as SGLang's source does, each behaviour citing its lines
 (paths under `sglang/srt/` of the 0.5.23 wheel); it has no model: completions are a fixed function of the prompt.
 
-`with FakeSGLang(...) as fake:` serves on a free port in a thread (real HTTP); `fake.calls` lists `(method, path,
-body, authorization)` of every request it received.
+`with FakeSGLang(...) as fake:` serves `fake.url` on a free port in a thread (real HTTP, `helpers.http_server`);
+`fake.calls` lists `(method, path, body, authorization)` of every request it received.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Optional
 
 from open_r1_ext.sglang_client import SGLANG_SAMPLING_PARAMS
+from tests.helpers import http_server
 
 DEPRECATED = {"/get_model_info": "/model_info", "/get_server_info": "/server_info"}  # http_server.py ~802-863
 ADMIN_OPTIONAL = ("/update_weights_from_disk", "/flush_cache")  # http_server.py ~1026, ~1301
@@ -33,16 +35,15 @@ class FakeSGLang:
         self.weight_version = "default"
         self.calls: list[tuple[str, str, Optional[dict], Optional[str]]] = []
         self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._serving = contextlib.ExitStack()
+        self.url = ""
 
     def __enter__(self) -> "FakeSGLang":
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = self._serving.enter_context(http_server(self._handler()))
         return self
 
     def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serving.close()
 
     def paths(self, method: Optional[str] = None) -> list[str]:
         return [path for m, path, _, _ in self.calls if method in (None, m)]

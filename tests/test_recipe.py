@@ -177,6 +177,7 @@ def test_overrides_apply_and_are_validated(tmp_path, tiny_recipe):
         load_recipe(path, ["trainer.max_steps=three"])
     with pytest.raises(RecipeError, match="section.key=value"):
         load_recipe(path, ["max_steps"])
+    assert load_recipe(path, ["trainer.save_strategy=no"]).trainer["save_strategy"] == "no"  # YAML's `no` is false
 
 
 def test_recipe_flows_into_the_trainer_config(tmp_path, tiny_recipe):

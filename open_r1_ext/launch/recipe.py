@@ -383,6 +383,10 @@ def _replaced_keys(raw: dict, problems: list) -> None:
 
 def _build_recipe(raw: dict, problems: list) -> Optional[Recipe]:
     recipe = None
+    for section in ("trainer", "sync"):
+        for key, value in (raw.get(section) if isinstance(raw.get(section), dict) else {}).items():
+            if key.endswith("_strategy") and value is False:  # YAML reads `save_strategy: no` as false
+                raw[section][key] = "no"
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as err:

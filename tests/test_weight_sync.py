@@ -11,6 +11,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import requests
 import torch
 from transformers import TrainerCallback
 
@@ -111,8 +112,11 @@ def test_dump_killed_half_way_is_never_loaded(tiny_model, server, tmp_path):
     shutil.copytree(target, tmp_path / "step-8")
     with open(tmp_path / "step-8" / "model.safetensors", "r+b") as f:
         f.truncate(1000)
-    with pytest.raises(ServerRequestError, match="has 1000 bytes, manifest.json says"):
+    with pytest.raises(ServerRequestError, match="has 1000 bytes, manifest.json says"):  # the client's own check
         client.update_weights_from_disk(str(tmp_path / "step-8"), weight_version="8")
+    raw = requests.post(f"{server.url}/update_weights_from_disk",  # the server's, for a client that does not check
+                        json={"model_path": str(tmp_path / "step-8"), "weight_version": "8"}, timeout=60)
+    assert raw.status_code == 400 and "has 1000 bytes, manifest.json says" in raw.text, raw.text
     assert client.weight_version() == "7"
     restore_default_weights(server.url, tiny_model)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Annotated, Any, Callable, ClassVar, Iterable, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, ClassVar, Iterable, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
@@ -64,12 +64,32 @@ UNSUPPORTED_COMPLETION_FIELDS: dict[str, Any] = {
     "mm_processor_kwargs": None, "data_parallel_rank": None, "extra_key": None, "cache_salt": None, "priority": None,
     "custom_labels": None,
 }
+UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "response_format": None,
+    "tools": None, "tool_choice": "none", "parallel_tool_calls": True, "return_hidden_states": False,
+    "return_routed_experts": False, "routed_experts_start_len": 0, "return_cached_tokens_details": False,
+    "return_spec_tokens_details": False, "return_prompt_token_ids": False, "return_token_ids": False,
+    "return_meta_info": False, "return_input_ids_in_sglext": False, "return_output_ids_in_sglext": False,
+    "return_sampling_mask": False, "sampling_logprobs_mode": None, "return_flat_raw_output_top_logprobs": False,
+    "return_flat_raw_top_logprobs_b64": True, "reasoning_effort": None, "reasoning": None, "thinking": None,
+    "task": None, "regex": None, "ebnf": None, "stop_regex": None, "continue_final_message": False,
+    "lora_path": None, "session_id": None, "session_params": None, "separate_reasoning": True,
+    "stream_reasoning": True, "chat_template_kwargs": None, "max_dynamic_patch": None, "min_dynamic_patch": None,
+    "use_audio_in_video": False, "images_config": None, "video_config": None, "mm_processor_kwargs": None,
+    "custom_logit_processor": None, "custom_params": None, "watermark": None, "input_ids": None, "extra_key": None,
+    "cache_salt": None, "priority": None, "data_parallel_rank": None, "bootstrap_host": None, "bootstrap_port": None,
+    "bootstrap_room": None, "routed_dp_rank": None, "disagg_prefill_dp_rank": None,
+}
+UNSUPPORTED_MESSAGE_FIELDS: dict[str, Any] = {"tool_calls": None, "tool_call_id": None, "reasoning_content": None}
+UNSUPPORTED_CONTENT_PART_FIELDS: dict[str, Any] = {"image_url": None, "input_audio": None, "video_url": None, "file": None}
 UNSUPPORTED_RELOAD_FIELDS: dict[str, Any] = {
     "is_async": False, "torch_empty_cache": False, "keep_pause": False, "recapture_cuda_graph": False, "token_step": 0,
     "manifest": None,
 }
 # OpenAI's legacy completions return at most this many `top_logprobs` per token.
 MAX_COMPLETION_LOGPROBS = 5
+# OpenAI's chat completions return at most this many `top_logprobs` per token.
+MAX_CHAT_TOP_LOGPROBS = 20
 
 
 class _Strict(BaseModel):
@@ -255,6 +275,89 @@ class CompletionRequest(_Strict):
                               stop_token_ids=self.stop_token_ids, logit_bias=self.logit_bias, ignore_eos=self.ignore_eos,
                               no_stop_trim=self.no_stop_trim, n=self.n, sampling_seed=self.seed,
                               skip_special_tokens=self.skip_special_tokens)
+
+
+class ChatContentPart(_Strict):
+    """One part of a chat message's `content` list: text only (SGLang joins a message's text parts with spaces)."""
+
+    unsupported = UNSUPPORTED_CONTENT_PART_FIELDS
+    what = "a text content part"
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict):
+    """One message of `messages`: a role and its text (a string, a list of text parts, or null)."""
+
+    unsupported = UNSUPPORTED_MESSAGE_FIELDS
+    what = "a chat message"
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[StrictStr, list[ChatContentPart], None] = None
+    name: Optional[StrictStr] = None
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it (content as one string)."""
+        content = self.content if not isinstance(self.content, list) else " ".join(p.text for p in self.content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_Strict):
+    """Body of `POST /v1/chat/completions` (OpenAI, with SGLang's extensions `top_k`, `min_p`, `min_tokens`,
+    `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim` and `rid`). Without `max_completion_tokens`
+    (or the deprecated `max_tokens`) a completion may run to the end of the context, as in SGLang."""
+
+    unsupported = UNSUPPORTED_CHAT_FIELDS
+    what = "SGLang's /v1/chat/completions"
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: Optional[StrictStr] = None
+    n: StrictInt = Field(1, ge=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=0)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=0)
+    temperature: Optional[Number] = Field(None, ge=0.0)
+    top_p: Optional[Number] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[StrictInt] = Field(None, ge=-1, le=TOP_K_MAX)
+    min_p: Optional[Number] = Field(None, ge=0.0, le=1.0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    logit_bias: Optional[dict[StrictStr, Number]] = None
+    ignore_eos: StrictBool = False
+    no_stop_trim: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    rid: Optional[StrictStr] = None
+    user: Optional[StrictStr] = None  # OpenAI's end-user id: no effect on the answer (as in SGLang)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("top_logprobs", "needs logprobs: true", {"field": "top_logprobs"})
+        return self
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+    def sampling(self, room: int) -> SamplingParams:
+        """The settings of every choice; `room`: the context left after the prompt (the default completion length)."""
+        limit = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), max(room, 0))
+        defaults = SamplingParams.model_fields
+        return SamplingParams(
+            max_new_tokens=limit, min_new_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            logit_bias=self.logit_bias, ignore_eos=self.ignore_eos, no_stop_trim=self.no_stop_trim, n=self.n,
+            sampling_seed=self.seed, skip_special_tokens=self.skip_special_tokens,
+            **{name: getattr(self, name) if getattr(self, name) is not None else defaults[name].default
+               for name in ("temperature", "top_p", "top_k", "min_p")})
 
 
 def logprob_entries(logprobs: Iterable[Optional[float]], token_ids: Iterable[int], texts: Optional[Iterable[Optional[str]]] = None):

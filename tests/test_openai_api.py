@@ -1,12 +1,15 @@
 """The OpenAI side: the official `openai` Python client against the built-in server (SGLang's
-`test/srt/test_openai_server.py` completion and model tests, ported to the tiny model), and the OpenAI backend
-(`OpenAICompletionsClient`) against the built-in server as SGLang, as vLLM, and as a plain OpenAI-compatible server
-(`--openai-text-only`: text prompts only, `n` dropped, no token ids), plus a server that answers 500 every time (a
-small HTTP server in this file, standing in for a broken third-party server). Not ported: SGLang's chat completion
-tests (the built-in server has no `/v1/chat/completions`)."""
+`test/srt/test_openai_server.py` completion, chat completion and model tests, ported to the tiny model), and the
+OpenAI backend (`OpenAICompletionsClient`) against the built-in server as SGLang, as vLLM, and as a plain
+OpenAI-compatible server (`--openai-text-only`: text prompts only, `n` dropped, no token ids), plus a server that
+answers 500 every time (a small HTTP server in this file, standing in for a broken third-party server). SGLang's
+`test_penalty` and `test_regex` become checks that the built-in server refuses `frequency_penalty` and `regex` by
+name (it does neither)."""
 
 import json
 import logging
+import re
+import shutil
 import time
 from http.server import BaseHTTPRequestHandler
 
@@ -185,6 +188,174 @@ def test_stop_strings_and_unsupported_fields(keyed, tiny_model):
         client.completions.create(model=str(tiny_model), prompt=PROMPT, max_tokens=2, best_of=2)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.completions.create(model=str(tiny_model), prompt=PROMPT, max_tokens=2, logprobs=6)  # OpenAI's limit: 5
+
+
+CHAT = [{"role": "system", "content": "You are a helpful AI assistant"},
+        {"role": "user", "content": "What is the capital of France?"}]
+
+
+def run_chat_completion(server, model, logprobs, parallel_sample_num):
+    client = official_client(server)
+    # adapted: max_tokens=32 (as SGLang's earlier version of this test): the tiny model rarely ends by itself, and
+    # without a limit a completion runs to the end of the context, as in SGLang
+    response = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=32,
+                                              logprobs=logprobs is not None and logprobs > 0, top_logprobs=logprobs,
+                                              n=parallel_sample_num)
+    if logprobs:
+        assert isinstance(response.choices[0].logprobs.content[0].top_logprobs[0].token, str)
+        ret_num_top_logprobs = len(response.choices[0].logprobs.content[0].top_logprobs)
+        assert ret_num_top_logprobs == logprobs, f"{ret_num_top_logprobs} vs {logprobs}"
+    assert len(response.choices) == parallel_sample_num
+    assert response.choices[0].message.role == "assistant"
+    assert isinstance(response.choices[0].message.content, str)
+    assert response.id
+    assert response.created
+    assert response.usage.prompt_tokens > 0
+    assert response.usage.completion_tokens > 0
+    assert response.usage.total_tokens > 0
+
+
+def run_chat_completion_stream(server, model, logprobs, parallel_sample_num=1):
+    client = official_client(server)
+    generator = client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=32,  # as above
+                                               logprobs=logprobs is not None and logprobs > 0, top_logprobs=logprobs,
+                                               stream=True, stream_options={"include_usage": True}, n=parallel_sample_num)
+    is_firsts, is_finished, finish_reason_counts = {}, {}, {}
+    usage_seen = False  # added: the usage chunk include_usage asks for does come
+    for response in generator:
+        usage = response.usage
+        if usage is not None:
+            assert usage.prompt_tokens > 0, "usage.prompt_tokens was zero"
+            assert usage.completion_tokens > 0, "usage.completion_tokens was zero"
+            assert usage.total_tokens > 0, "usage.total_tokens was zero"
+            usage_seen = True
+            continue
+        index = response.choices[0].index
+        finish_reason = response.choices[0].finish_reason
+        if finish_reason is not None:
+            is_finished[index] = True
+            finish_reason_counts[index] = finish_reason_counts.get(index, 0) + 1
+        data = response.choices[0].delta
+        if is_firsts.get(index, True):
+            assert data.role == "assistant", "data.role was not 'assistant' for first chunk"
+            is_firsts[index] = False
+            continue
+        if logprobs and not is_finished.get(index, False):
+            assert response.choices[0].logprobs, "logprobs was not returned"
+            assert isinstance(response.choices[0].logprobs.content[0].top_logprobs[0].token, str)
+            assert isinstance(response.choices[0].logprobs.content[0].top_logprobs, list)
+            ret_num_top_logprobs = len(response.choices[0].logprobs.content[0].top_logprobs)
+            assert ret_num_top_logprobs == logprobs, f"{ret_num_top_logprobs} vs {logprobs}"
+        assert (isinstance(data.content, str) or isinstance(data.model_extra.get("reasoning_content"), str)
+                or (isinstance(data.tool_calls, list) and len(data.tool_calls) > 0) or response.choices[0].finish_reason)
+        assert response.id
+        assert response.created
+    for index in range(parallel_sample_num):
+        assert not is_firsts.get(index, True), f"index {index} is not found in the response"
+    for index in range(parallel_sample_num):
+        assert index in finish_reason_counts, f"No finish_reason found for index {index}"
+        assert finish_reason_counts[index] == 1, f"Expected 1 finish_reason chunk for index {index}, got {finish_reason_counts[index]}"
+    assert usage_seen
+
+
+@pytest.mark.parametrize("logprobs", [None, 5])
+def test_chat_completion(keyed, tiny_model, logprobs):
+    for parallel_sample_num in (1, 2):
+        run_chat_completion(keyed, str(tiny_model), logprobs, parallel_sample_num)
+
+
+@pytest.mark.parametrize("logprobs", [None, 5])
+def test_chat_completion_stream(keyed, tiny_model, logprobs):
+    for parallel_sample_num in (1, 2):
+        run_chat_completion_stream(keyed, str(tiny_model), logprobs, parallel_sample_num)
+
+
+def test_chat_is_the_chat_template_then_a_completion(keyed, tokenizer, tiny_model):
+    """The messages go through the model's chat template with the assistant's turn opened: the chat answer is the
+    completion of those token ids (same text, tokens and log-probs, greedy and seeded), and usage counts them."""
+    client = official_client(keyed)
+    prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 11}):
+        chat = client.chat.completions.create(model=str(tiny_model), messages=CHAT, max_completion_tokens=12,
+                                              logprobs=True, top_logprobs=2, **sampling)
+        plain = client.completions.create(model=str(tiny_model), prompt=prompt, max_tokens=12, logprobs=2, **sampling)
+        assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+        assert chat.model == str(tiny_model) and chat.usage.prompt_tokens == len(prompt)
+        assert chat.choices[0].message.content == plain.choices[0].text
+        assert chat.usage.completion_tokens == plain.usage.completion_tokens == len(chat.choices[0].logprobs.content)
+        entries = chat.choices[0].logprobs.content
+        assert [e.logprob for e in entries] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+        assert [e.token for e in entries] == plain.choices[0].logprobs.tokens
+        assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2 for e in entries)
+        assert chat.choices[0].finish_reason == plain.choices[0].finish_reason
+    # text content parts are joined with spaces, as SGLang does
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "the capital?"}]}]
+    joined = [{"role": "user", "content": "What is the capital?"}]
+    answers = [client.chat.completions.create(model=str(tiny_model), messages=m, temperature=0, max_tokens=8)
+               for m in (parts, joined)]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+
+
+def test_chat_stream_deltas_add_up_to_the_answer(keyed, tiny_model):
+    """Streamed content pieces join to the non-streamed message, each choice's log-probs in the stream are those of
+    the whole answer, the finish chunk carries the finish reason and matched stop, and continuous usage counts up."""
+    client = official_client(keyed)
+    for extra in ({"seed": 3, "n": 2, "logprobs": True, "top_logprobs": 1}, {"seed": 5, "stop": ["\u00e9", "ab"]},
+                  {"temperature": 0, "stop": ["dd"], "logprobs": True}):
+        body = {"model": str(tiny_model), "messages": CHAT, "max_tokens": 20, "temperature": 1.0, **extra}
+        whole = client.chat.completions.create(**body).choices
+        pieces, logprobs, finish = {}, {}, {}
+        for chunk in client.chat.completions.create(**body, stream=True):
+            assert chunk.object == "chat.completion.chunk"
+            for choice in chunk.choices:
+                pieces[choice.index] = pieces.get(choice.index, "") + (choice.delta.content or "")
+                logprobs.setdefault(choice.index, []).extend(choice.logprobs.content if choice.logprobs else [])
+                if choice.finish_reason:
+                    finish[choice.index] = (choice.finish_reason, choice.model_extra["matched_stop"])
+        assert [pieces[i] for i in range(len(whole))] == [c.message.content for c in whole]
+        assert [finish[i] for i in range(len(whole))] == [(c.finish_reason, c.model_extra["matched_stop"]) for c in whole]
+        if body.get("logprobs"):
+            assert [[e.token for e in logprobs[i]] for i in range(len(whole))] == [[e.token for e in c.logprobs.content]
+                                                                                  for c in whole]
+    chunks = list(client.chat.completions.create(model=str(tiny_model), messages=CHAT, max_completion_tokens=4,
+                                                 temperature=0, stream=True, user="someone",
+                                                 extra_body={"rid": "my-chat", "ignore_eos": True},
+                                                 stream_options={"continuous_usage_stats": True}))
+    counted = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counted == sorted(counted) and counted[-1] == 4 and {c.id for c in chunks} == {"my-chat"}
+
+
+def test_chat_limits_and_unsupported_fields(keyed, tiny_model):
+    """SGLang's test_penalty and test_regex, adapted: the built-in server does neither, and says so by name (as it
+    refuses every SGLang chat field it does not do, e.g. tools and image parts)."""
+    client = official_client(keyed)
+    answer = client.chat.completions.create(model=str(tiny_model), messages=CHAT, max_completion_tokens=5, max_tokens=50,
+                                            extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 5 and answer.choices[0].finish_reason == "length"  # the newer name wins
+    refused = {
+        "frequency_penalty: not supported by the built-in server": {"frequency_penalty": 1.0},
+        "regex: not supported by the built-in server": {"extra_body": {"regex": r"\{\n"}},
+        "tools: not supported by the built-in server": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        "response_format: not supported": {"response_format": {"type": "json_object"}},
+        "image_url: not supported": {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+        "top_logprobs: needs logprobs: true": {"top_logprobs": 2},
+        "top_logprobs: Input should be less than or equal to 20": {"logprobs": True, "top_logprobs": 21},
+        "messages: List should have at least 1 item": {"messages": []},
+        "max_completion_tokens": {"max_completion_tokens": 5000},  # past the context length
+    }
+    for message, fields in refused.items():
+        with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+            client.chat.completions.create(**{"model": str(tiny_model), "messages": CHAT, "max_tokens": 2, **fields})
+
+
+def test_chat_with_a_model_without_chat_template_is_refused(tiny_model, tmp_path):
+    model = tmp_path / "no-template"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    with BuiltinServer(str(model), log_path=str(tmp_path / "server.log"), extra_args=("--no-ref-slot",)) as srv:
+        r = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": CHAT}, timeout=30)
+        assert r.status_code == 400 and "has no chat template; use /v1/completions" in r.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------------------------------ the OpenAI backend

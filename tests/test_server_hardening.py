@@ -316,6 +316,8 @@ def _valid_requests():
                                    "logprob_start_len": 0, "top_logprobs_num": 2, "token_ids_logprob": [1, i]}))
         reqs.append(("/v1/completions", {"prompt": f"prompt {i}", "max_tokens": 3, "temperature": 0, "echo": True,
                                          "logprobs": 2, "return_token_ids": True}))
+        reqs.append(("/v1/chat/completions", {"messages": [{"role": "user", "content": f"prompt {i}"}], "max_tokens": 3,
+                                              "seed": i, "n": 2, "logprobs": True, "top_logprobs": 2, "stop": "zz"}))
     return reqs
 
 
@@ -349,6 +351,14 @@ BAD_COMPLETION_VALUES = [
     ("n", 0, "n"), ("max_tokens", 10**6, "max_tokens"), ("seed", 2**63, "seed"), ("top_k", 2**62, "top_k"),
     ("logprobs", 6, "logprobs"), ("temperature", -1, "temperature"), ("best_of", 2, "best_of: not supported"),
     ("stop", 5, "stop"), ("stream_options", {"x": 1}, "stream_options.x"),
+]
+BAD_CHAT_VALUES = [
+    ("messages", [], "messages"), ("messages", [{"role": "bot", "content": "x"}], "messages[0].role"),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "image_url: not supported"),
+    ("messages", "hello", "messages"), ("max_completion_tokens", 10**6, "max_completion_tokens"), ("n", 9, "--max-n"),
+    ("top_logprobs", 21, "top_logprobs"), ("logprobs", "yes", "logprobs"), ("seed", 2**63, "seed"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "tools: not supported"),
+    ("stream_options", {"x": 1}, "stream_options.x"),
 ]
 BAD_RAW = [  # (route, body bytes, Content-Type, words)
     ("/generate", b"{not json", "application/json", "not valid JSON"), ("/generate", b"[1, 2]", "application/json", "body"),
@@ -387,18 +397,25 @@ def _bad_requests(rng, count, allowed_dir):
         body = {"prompt": [1, 2, 3], "max_tokens": 2, key: value}
         return "/v1/completions", json.dumps(body).encode(), "application/json", words
 
+    def chat(key, value, words):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, key: value}
+        return "/v1/chat/completions", json.dumps(body).encode(), "application/json", words
+
     def reload(dump):
         return "/update_weights_from_disk", json.dumps({"model_path": str(dump)}).encode(), "application/json", dump.name
 
     dumps = [allowed_dir / "fuzz-missing", allowed_dir / "fuzz-manifest"]
     out = [generate(*case) for case in BAD_GENERATE_VALUES] + [completion(*case) for case in BAD_COMPLETION_VALUES]
+    out += [chat(*case) for case in BAD_CHAT_VALUES]
     out += BAD_RAW + [reload(dump) for dump in dumps]
     while len(out) < count:
         kind = rng.random()
         if kind < 0.55:
             out.append(generate(*rng.choice(BAD_GENERATE_VALUES)))
-        elif kind < 0.75:
+        elif kind < 0.68:
             out.append(completion(*rng.choice(BAD_COMPLETION_VALUES)))
+        elif kind < 0.8:
+            out.append(chat(*rng.choice(BAD_CHAT_VALUES)))
         elif kind < 0.9:
             out.append(rng.choice(BAD_RAW))
         else:

@@ -6,7 +6,8 @@ Routes are thin: they validate with `open_r1_ext.protocol` and `limits`, hand wo
 `responses` shape SGLang's and OpenAI's answers (JSON or server-sent events). Every malformed or oversized request,
 and every SGLang field this server does not do, gets HTTP 400 naming the field (or file) and the problem. It serves the
 same clients as a real SGLang server (`/generate`, `/update_weights_from_disk`, `/model_info`, `/server_info` and
-their `/get_*` names, `/health`, `/health_generate`, `/flush_cache`, `/v1/completions`, `/v1/models`).
+their `/get_*` names, `/health`, `/health_generate`, `/flush_cache`, `/v1/completions`, `/v1/chat/completions`,
+`/v1/models`).
 Two model slots: the policy at `/` and, under `/ref/...`, a second model (the reference, `--ref-model-path`,
 default the same weights) that reloads independently, so one process can host both roles of a GRPO run.
 """
@@ -29,24 +30,38 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from jinja2 import TemplateError
 
 from open_r1_ext import __version__
 from open_r1_ext.server.batcher import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, Batcher
 from open_r1_ext.server.engine import DTYPES, GenerationTask, ModelEngine
-from open_r1_ext.server.limits import COMPLETION_FIELDS, GENERATE_FIELDS, BadRequest, Limits, check_request, check_token_ids
+from open_r1_ext.server.limits import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    GENERATE_FIELDS,
+    BadRequest,
+    Limits,
+    check_request,
+    check_token_ids,
+)
 from open_r1_ext.server.responses import (
     SSE_DONE,
     CompletionAsk,
     GenerateAsk,
     PromptLogprobs,
+    chat_choice,
+    chat_delta,
+    chat_logprobs,
     completion_choice,
     generate_output,
+    output_text,
     prompt_logprobs,
     request_id,
     sse,
     usage,
 )
 from open_r1_ext.protocol import (
+    ChatCompletionRequest,
     CompletionRequest,
     GenerateReqInput,
     SamplingParams,
@@ -138,7 +153,7 @@ def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[
     return app
 
 
-WORK_ROUTES = ("/generate", "/v1/completions")
+WORK_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
 class OrjsonRequest(Request):
@@ -537,6 +552,67 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         inputs = echo_inputs(*await run(tasks, to_score, detailed, request))
         choices = [completion_choice(engine, i, task, ask, echo_text(i), inputs[i // n]) for i, task in enumerate(tasks)]
         return Response(orjson.dumps(body(choices, usage=usage(prompts, tasks))), media_type="application/json")
+
+    def chat_prompt(obj: ChatCompletionRequest) -> list[int]:
+        """The messages through the model's chat template, with the assistant's turn opened (as SGLang)."""
+        if not engine.tokenizer.chat_template:
+            raise BadRequest(f"messages: the model {engine.model_path} has no chat template; use /v1/completions")
+        try:
+            return list(engine.tokenizer.apply_chat_template([m.for_template() for m in obj.messages], tokenize=True,
+                                                             add_generation_prompt=True, return_dict=False))
+        except TemplateError as err:
+            raise BadRequest(f"messages: the model's chat template refused them: {err}") from err
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(obj: ChatCompletionRequest, request: Request) -> Any:
+        prompt = chat_prompt(obj)
+        params = obj.sampling(max_len - len(prompt))
+        if len(prompt) + params.max_new_tokens > max_len:  # named here: the prompt is the messages after the template
+            raise BadRequest(f"messages: {len(prompt)} tokens after the chat template, plus max_completion_tokens "
+                             f"({params.max_new_tokens}), is longer than the model's context length ({max_len} tokens)")
+        check([prompt], [params], [-1], CHAT_FIELDS)
+        top = obj.top_logprobs_num
+        tasks = [GenerationTask(prompt=list(prompt), params=params, seed=seed_of(obj.seed), top_logprobs_num=top)
+                 for _ in range(obj.n)]
+        rid = obj.rid or request_id("chatcmpl-")
+        created = int(time.time())
+        model = obj.model or engine.model_path
+
+        def body(kind: str, choices, **extra) -> dict:
+            return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+
+        if obj.stream:
+            options = obj.stream_options or StreamOptions()
+
+            async def chunks():
+                """As SGLang: per choice a first chunk with the role, then chunks of new text (with the log-probs of
+                their tokens), then, once all are done, one chunk per choice with its finish reason."""
+                started, tokens_sent, text_sent = [False] * len(tasks), [0] * len(tasks), [0] * len(tasks)
+                async for index, count in stream_tasks(tasks, request):
+                    task = tasks[index]
+                    if not started[index]:
+                        started[index] = True
+                        yield sse(body("chat.completion.chunk", [chat_delta(index, {"role": "assistant", "content": ""})]))
+                    done = task.finish is not None and count >= len(task.output_ids)
+                    piece = output_text(engine, task, None if done else count)[text_sent[index]:]
+                    # tokens whose text is held back (part of a character, a possible stop string) wait for it
+                    if piece or (done and count > tokens_sent[index]):
+                        logprobs = chat_logprobs(engine, task, tokens_sent[index], count, bool(top)) if obj.logprobs else None
+                        extra = {"usage": usage([prompt], [task], count)} if options.continuous_usage_stats else {}
+                        yield sse(body("chat.completion.chunk", [chat_delta(index, {"content": piece}, logprobs)], **extra))
+                        tokens_sent[index], text_sent[index] = count, text_sent[index] + len(piece)
+                for index, task in enumerate(tasks):
+                    yield sse(body("chat.completion.chunk", [chat_delta(index, {}, finish=task)]))
+                if options.include_usage:
+                    yield sse(body("chat.completion.chunk", [], usage=usage([prompt], tasks)))
+                yield SSE_DONE
+
+            return StreamingResponse(ending_with_error_event(chunks()), media_type="text/event-stream")
+
+        await run(tasks, [], [], request)
+        choices = [chat_choice(engine, i, task, obj.logprobs, bool(top)) for i, task in enumerate(tasks)]
+        answer = body("chat.completion", choices, usage=usage([prompt], tasks), metadata=None)
+        return Response(orjson.dumps(answer), media_type="application/json")
 
     return app
 

@@ -41,6 +41,7 @@ class Fields(NamedTuple):
 
 GENERATE_FIELDS = Fields("input_ids", "sampling_params.n", "sampling_params.max_new_tokens", "sampling_params.stop_token_ids")
 COMPLETION_FIELDS = Fields("prompt", "n", "max_tokens", "stop_token_ids")
+CHAT_FIELDS = Fields("messages", "n", "max_completion_tokens", "stop_token_ids")
 
 
 def check_request(prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], starts: Sequence[int],

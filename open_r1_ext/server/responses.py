@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 from typing import Any, Optional
 
 import orjson
@@ -167,7 +167,7 @@ def completion_choice(engine: ModelEngine, index: int, task: GenerationTask, ask
             tops = [None if p is None else [(e[0], e[1]) for e in p] for p in inputs.top_logprobs] + (tops or [])
         logprobs = openai_logprobs(engine, [(v, i, None) for v, i in entries], tops, ask.tokens_as_ids,
                                    offset=text_from if start else 0)
-    matched = task.finish[1] if done and task.finish and task.finish[0] == "stop" else None
+    matched = matched_stop(task) if done else None
     choice = {"index": index, "text": (echo_text if start == 0 else "") + text[text_from:], "logprobs": logprobs,
               "finish_reason": task.finish[0] if done and task.finish else None, "matched_stop": matched}
     if ask.return_token_ids:
@@ -183,3 +183,36 @@ def usage(prompts: list[list[int]], tasks: list[GenerationTask], count: Optional
     completion_tokens = count if count is not None else sum(len(t.output_ids) for t in tasks)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_logprobs(engine: ModelEngine, task: GenerationTask, start: int, stop: int, with_top: bool) -> dict:
+    """OpenAI's chat `logprobs` (`{"content": [{token, bytes, logprob, top_logprobs}]}`) of tokens `start`..`stop`;
+    a token's `bytes` are its text's UTF-8 bytes (SGLang's fallback for tokenizers that are not byte-level BPE)."""
+
+    def entry(logprob: float, token_id: int) -> dict:
+        token = engine.tokenizer.decode([token_id])
+        return {"token": token, "bytes": list(token.encode()), "logprob": logprob}
+
+    tops = task.output_top_logprobs[start:stop] if with_top else repeat([])
+    return {"content": [{**entry(v, i), "top_logprobs": [entry(tv, ti) for tv, ti in top]}
+                        for v, i, top in zip(task.output_logprobs[start:stop], task.output_ids[start:stop], tops)]}
+
+
+def matched_stop(task: GenerationTask):
+    """SGLang's `matched_stop`: the stop string or token id that ended the task (None otherwise)."""
+    return task.finish[1] if task.finish and task.finish[0] == "stop" else None
+
+
+def chat_choice(engine: ModelEngine, index: int, task: GenerationTask, logprobs: bool, with_top: bool) -> dict:
+    """One choice of a finished `/v1/chat/completions` answer."""
+    return {"index": index, "message": {"role": "assistant", "content": output_text(engine, task), "reasoning_content": None},
+            "logprobs": chat_logprobs(engine, task, 0, len(task.output_ids), with_top) if logprobs else None,
+            "finish_reason": task.finish[0] if task.finish else "length", "matched_stop": matched_stop(task)}
+
+
+def chat_delta(index: int, delta: dict, logprobs: Optional[dict] = None, finish: Optional[GenerationTask] = None) -> dict:
+    """One choice of a `/v1/chat/completions` stream chunk, as SGLang's `build_sse_content` writes it; `finish`: the
+    task whose finish reason this (last) chunk of the choice carries."""
+    return {"index": index, "delta": {"reasoning_content": None, **delta}, "logprobs": logprobs,
+            "finish_reason": (finish.finish[0] if finish.finish else "length") if finish else None,
+            "matched_stop": matched_stop(finish) if finish else None}

@@ -275,10 +275,12 @@ def test_chat_is_the_chat_template_then_a_completion(keyed, tokenizer, tiny_mode
     completion of those token ids (same text, tokens and log-probs, greedy and seeded), and usage counts them."""
     client = official_client(keyed)
     prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    pieces = 0
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 11}):
         chat = client.chat.completions.create(model=str(tiny_model), messages=CHAT, max_completion_tokens=12,
                                               logprobs=True, top_logprobs=2, **sampling)
-        plain = client.completions.create(model=str(tiny_model), prompt=prompt, max_tokens=12, logprobs=2, **sampling)
+        plain = client.completions.create(model=str(tiny_model), prompt=prompt, max_tokens=12, logprobs=2,
+                                          extra_body={"return_token_ids": True}, **sampling)
         assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
         assert chat.model == str(tiny_model) and chat.usage.prompt_tokens == len(prompt)
         assert chat.choices[0].message.content == plain.choices[0].text
@@ -286,8 +288,14 @@ def test_chat_is_the_chat_template_then_a_completion(keyed, tokenizer, tiny_mode
         entries = chat.choices[0].logprobs.content
         assert [e.logprob for e in entries] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
         assert [e.token for e in entries] == plain.choices[0].logprobs.tokens
-        assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2 for e in entries)
+        assert all(len(e.top_logprobs) == 2 for e in entries)
+        # bytes: the tokens' own (a byte-level BPE tokenizer), also for a piece of a character (its text reads U+FFFD)
+        ids = plain.choices[0].model_extra["token_ids"]
+        assert bytes(b for e in entries for b in e.bytes).decode(errors="replace") == tokenizer.decode(ids)
+        assert all(e.bytes != list("\ufffd".encode()) for e in entries if e.token == "\ufffd")
+        pieces += sum(e.token == "\ufffd" for e in entries)
         assert chat.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert pieces, "no token of these answers is part of a character: the bytes check above proved less"
     # text content parts are joined with spaces, as SGLang does
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "the capital?"}]}]
     joined = [{"role": "user", "content": "What is the capital?"}]

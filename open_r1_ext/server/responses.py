@@ -13,6 +13,7 @@ from itertools import chain, islice, repeat
 from typing import Any, Optional
 
 import orjson
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from open_r1_ext.protocol import TOKEN_ID_PREFIX, finish_reason, logprob_entries
 from open_r1_ext.server.engine import GenerationTask, ModelEngine
@@ -185,13 +186,28 @@ def usage(prompts: list[list[int]], tasks: list[GenerationTask], count: Optional
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# GPT-2's byte-level BPE writes each byte as one printable character; this maps them back.
+BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token_id: int, text: str, byte_level: bool) -> list[int]:
+    """OpenAI's `bytes` of a token, as SGLang: with a byte-level BPE tokenizer (GPT-2's family: Qwen, Llama 3) the
+    token's own bytes, also for part of a character (whose text is U+FFFD); otherwise its text's UTF-8 bytes."""
+    if byte_level:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if piece and all(char in BYTE_OF_CHAR for char in piece):
+            return [BYTE_OF_CHAR[char] for char in piece]
+    return list(text.encode())
+
+
 def chat_logprobs(engine: ModelEngine, task: GenerationTask, start: int, stop: int, with_top: bool) -> dict:
-    """OpenAI's chat `logprobs` (`{"content": [{token, bytes, logprob, top_logprobs}]}`) of tokens `start`..`stop`;
-    a token's `bytes` are its text's UTF-8 bytes (SGLang's fallback for tokenizers that are not byte-level BPE)."""
+    """OpenAI's chat `logprobs` (`{"content": [{token, bytes, logprob, top_logprobs}]}`) of tokens `start`..`stop`."""
+    tokenizer = engine.tokenizer
+    byte_level = "ByteLevel" in repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
 
     def entry(logprob: float, token_id: int) -> dict:
-        token = engine.tokenizer.decode([token_id])
-        return {"token": token, "bytes": list(token.encode()), "logprob": logprob}
+        token = tokenizer.decode([token_id])
+        return {"token": token, "bytes": token_bytes(tokenizer, token_id, token, byte_level), "logprob": logprob}
 
     tops = task.output_top_logprobs[start:stop] if with_top else repeat([])
     return {"content": [{**entry(v, i), "top_logprobs": [entry(tv, ti) for tv, ti in top]}

@@ -72,7 +72,7 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, Any] = {
     "return_meta_info": False, "return_input_ids_in_sglext": False, "return_output_ids_in_sglext": False,
     "return_sampling_mask": False, "sampling_logprobs_mode": None, "return_flat_raw_output_top_logprobs": False,
     "return_flat_raw_top_logprobs_b64": True, "reasoning_effort": None, "reasoning": None, "thinking": None,
-    "task": None, "regex": None, "ebnf": None, "stop_regex": None, "continue_final_message": False,
+    "task": None, "regex": None, "ebnf": None, "stop_regex": None,
     "lora_path": None, "session_id": None, "session_params": None, "separate_reasoning": True,
     "stream_reasoning": True, "chat_template_kwargs": None, "max_dynamic_patch": None, "min_dynamic_patch": None,
     "use_audio_in_video": False, "images_config": None, "video_config": None, "mm_processor_kwargs": None,
@@ -308,7 +308,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Strict):
     """Body of `POST /v1/chat/completions` (OpenAI, with SGLang's extensions `top_k`, `min_p`, `min_tokens`,
-    `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim` and `rid`). Without `max_completion_tokens`
+    `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `continue_final_message` and `rid`). Without `max_completion_tokens`
     (or the deprecated `max_tokens`) a completion may run to the end of the context, as in SGLang."""
 
     unsupported = UNSUPPORTED_CHAT_FIELDS
@@ -335,8 +335,21 @@ class ChatCompletionRequest(_Strict):
     seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
+    continue_final_message: StrictBool = False
     rid: Optional[StrictStr] = None
     user: Optional[StrictStr] = None  # OpenAI's end-user id: no effect on the answer (as in SGLang)
+
+    def template_messages(self) -> tuple[list[dict], Optional[str]]:
+        """The messages for the chat template and the text to append after it. As SGLang: a last assistant message
+        with string content is, with `continue_final_message`, taken out and its text appended after the opened
+        assistant turn (the answer continues it); without, it is sent as a user message."""
+        messages = [m.for_template() for m in self.messages]
+        last = self.messages[-1]
+        if last.role != "assistant" or not isinstance(last.content, str):
+            return messages, None
+        if self.continue_final_message:
+            return messages[:-1], last.content
+        return messages[:-1] + [{**messages[-1], "role": "user"}], None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":

@@ -4,7 +4,7 @@ OpenAI backend (`OpenAICompletionsClient`) against the built-in server as SGLang
 OpenAI-compatible server (`--openai-text-only`: text prompts only, `n` dropped, no token ids), plus a server that
 answers 500 every time (a small HTTP server in this file, standing in for a broken third-party server). SGLang's
 `test_penalty` and `test_regex` become checks that the built-in server refuses `frequency_penalty` and `regex` by
-name (it does neither)."""
+name (it does neither), and `test_response_prefill` checks the prompt SGLang builds (the tiny model writes no JSON)."""
 
 import json
 import logging
@@ -303,6 +303,22 @@ def test_chat_is_the_chat_template_then_a_completion(keyed, tokenizer, tiny_mode
                for m in (parts, joined)]
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
     assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+
+
+def test_chat_response_prefill(keyed, tokenizer, tiny_model):
+    """SGLang's test_response_prefill, adapted to what SGLang 0.5.23 does with a last assistant message (the tiny model
+    extracts no JSON): with `continue_final_message` the answer continues it (its tokens follow the opened assistant
+    turn); without, it is sent as a user message."""
+    client = official_client(keyed)
+    prefill = [CHAT[1], {"role": "assistant", "content": "{\n"}]
+    opened = tokenizer.apply_chat_template(prefill[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    as_user = tokenizer.apply_chat_template([CHAT[1], {"role": "user", "content": "{\n"}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    for extra, prompt in (({"continue_final_message": True}, opened + tokenizer.encode("{\n")), ({}, as_user)):
+        chat = client.chat.completions.create(model=str(tiny_model), messages=prefill, temperature=0, max_tokens=8,
+                                              extra_body=extra)
+        plain = client.completions.create(model=str(tiny_model), prompt=prompt, temperature=0, max_tokens=8)
+        assert chat.usage.prompt_tokens == len(prompt) and chat.choices[0].message.content == plain.choices[0].text
 
 
 def test_chat_stream_deltas_add_up_to_the_answer(keyed, tiny_model):

@@ -554,14 +554,17 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         return Response(orjson.dumps(body(choices, usage=usage(prompts, tasks))), media_type="application/json")
 
     def chat_prompt(obj: ChatCompletionRequest) -> list[int]:
-        """The messages through the model's chat template, with the assistant's turn opened (as SGLang)."""
+        """The messages through the model's chat template, with the assistant's turn opened (as SGLang), then the
+        tokens of a final assistant message to continue (`continue_final_message`)."""
         if not engine.tokenizer.chat_template:
             raise BadRequest(f"messages: the model {engine.model_path} has no chat template; use /v1/completions")
+        messages, prefix = obj.template_messages()
         try:
-            return list(engine.tokenizer.apply_chat_template([m.for_template() for m in obj.messages], tokenize=True,
-                                                             add_generation_prompt=True, return_dict=False))
+            ids = list(engine.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                            return_dict=False))
         except TemplateError as err:
             raise BadRequest(f"messages: the model's chat template refused them: {err}") from err
+        return ids + engine.tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else ids
 
     @app.post("/v1/chat/completions")
     async def chat_completions(obj: ChatCompletionRequest, request: Request) -> Any:

@@ -1,8 +1,8 @@
 """The built-in server's answers, shaped as SGLang 0.5.23 and OpenAI shape theirs.
 
 `/generate` outputs (`text`, `output_ids`, `meta_info` with SGLang's log-prob lists), OpenAI `/v1/completions` choices
-(legacy `logprobs` with `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`), and the server-sent events both
-stream. The routes in `app.py` run the work; this module only turns finished (or in-progress) tasks into JSON.
+(legacy `logprobs` with `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`), `/v1/chat/completions` choices and
+stream deltas (`logprobs.content`), and the server-sent events they stream. The routes in `app.py` run the work; this module only turns finished (or in-progress) tasks into JSON.
 """
 
 from __future__ import annotations

@@ -374,12 +374,23 @@ def test_chat_limits_and_unsupported_fields(keyed, tiny_model):
             client.chat.completions.create(**{"model": str(tiny_model), "messages": CHAT, "max_tokens": 2, **fields})
 
 
-def test_chat_with_a_model_without_chat_template_is_refused(tiny_model, tmp_path):
-    model = tmp_path / "no-template"
-    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("chat_template.jinja"))
-    with BuiltinServer(str(model), log_path=str(tmp_path / "server.log"), extra_args=("--no-ref-slot",)) as srv:
+def test_chat_refused_by_the_models_template_or_without_one(tiny_model, tmp_path):
+    """A model without a chat template (the root slot) and one whose template raises on a system message (the /ref
+    slot, as many templates do): 400 saying so, never a traceback."""
+    bare, strict = tmp_path / "no-template", tmp_path / "no-system"
+    shutil.copytree(tiny_model, bare, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    shutil.copytree(tiny_model, strict)
+    template = (strict / "chat_template.jinja").read_text()
+    (strict / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + template)
+    with BuiltinServer(str(bare), log_path=str(tmp_path / "server.log"), extra_args=("--ref-model-path", str(strict))) as srv:
         r = requests.post(f"{srv.url}/v1/chat/completions", json={"messages": CHAT}, timeout=30)
         assert r.status_code == 400 and "has no chat template; use /v1/completions" in r.json()["error"]["message"]
+        r = requests.post(f"{srv.url}/ref/v1/chat/completions", json={"messages": CHAT}, timeout=30)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "messages: the model's chat template refused them: System role not supported"
+        r = requests.post(f"{srv.url}/ref/v1/chat/completions", json={"messages": CHAT[1:], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 # ------------------------------------------------------------------------------------------ the OpenAI backend

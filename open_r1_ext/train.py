@@ -131,8 +131,10 @@ def servers(recipe: Recipe, server_url: Optional[str], ref_url: Optional[str]) -
              "reference": ref_url or os.environ.get(REF_URL_ENV)}
     urls: dict[str, Optional[str]] = {}
     embedded: list[str] = []
+    specs = recipe.servers.specs()
+    threads = cpu_threads_each(sum(1 for role, spec in specs.items() if not (given[role] or spec.url)))
     with contextlib.ExitStack() as stack:
-        for role, spec in recipe.servers.specs().items():
+        for role, spec in specs.items():
             urls[role] = given[role] or spec.url
             if urls[role] is None:
                 if spec.engine != "builtin":
@@ -144,13 +146,26 @@ def servers(recipe: Recipe, server_url: Optional[str], ref_url: Optional[str]) -
                 if not embedded:  # the first embedded server: a new key for this run
                     write_run_key(recipe, Path(recipe.output_dir))
                 embedded.append(role)
-                urls[role] = stack.enter_context(embedded_server(recipe, role, spec)).url
+                urls[role] = stack.enter_context(embedded_server(recipe, role, spec, threads)).url
         yield recipe.role_urls(urls.get("generation"), urls.get("reference"))
 
 
-def embedded_server(recipe: Recipe, role: str, spec: ServerSpec):
+def cpu_threads_each(embedded: int) -> Optional[int]:
+    """On a machine without a GPU, this process and its `embedded` servers share the cores: each gets an equal part
+    (at least one), set here for the trainer and returned for the servers' `--num-threads`: OpenMP pools that
+    together want more threads than there are cores slow each other down. None: nothing to share."""
+    import torch
+
+    if not embedded or torch.cuda.is_available():
+        return None
+    threads = max(1, (os.cpu_count() or 2) // (embedded + 1))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def embedded_server(recipe: Recipe, role: str, spec: ServerSpec, threads: Optional[int] = None):
     """A built-in server on this machine for `role` (`generation` or `reference`), holding the run's key (when it has
-    one) and reloading only the run's weight dumps."""
+    one) and reloading only the run's weight dumps; `threads`: its torch CPU threads (default: the server's)."""
     from open_r1_ext.launch.local_server import BuiltinServer
 
     log = Path(recipe.output_dir) / f"{role}-server.log"
@@ -160,9 +175,10 @@ def embedded_server(recipe: Recipe, role: str, spec: ServerSpec):
     no_ref_slot = () if recipe.servers.ref_slot(role) else ("--no-ref-slot",)
     key = key_file(Path(recipe.output_dir))
     keyed = ("--config", str(key)) if key.is_file() else ()
+    threaded = ("--num-threads", str(threads)) if threads else ()
     return BuiltinServer(model_path, log_path=str(log), deterministic=spec.deterministic,
                          extra_args=("--dtype", spec.dtype, *no_ref_slot, "--weight-dirs", recipe.sync_dir, *keyed,
-                                     *map(str, spec.extra_args)))
+                                     *threaded, *map(str, spec.extra_args)))
 
 
 def quiet_libraries() -> None:

@@ -1,16 +1,26 @@
 """Shared fixtures: tiny models built locally (no download), built-in server processes on free ports, the local
 SLURM cluster and a tiny run on it."""
 
+import os
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from tools.make_tiny_model import make_tiny_model
 
 from open_r1_ext.launch.local_server import BuiltinServer, free_port
 from tests.slurm_helpers import REPO, TinyRun
+
+# One torch thread per process: the tests run trainers and servers side by side on 2 cores, and OpenMP pools that
+# together want more threads than there are cores spin against each other (two trainer tests: 51 s with the default,
+# 26 s like this). Children (trainer processes, SLURM jobs) inherit the variable; this process's OpenMP runtime read
+# the environment when torch was imported, so a thread started here still defaults to every core
+# (test_server's thread-count test relies on that).
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -69,15 +69,6 @@ CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool
 QUESTION = [{"role": "user", "content": "What is 6 times 7? Use the multiply tool."}]
 
 
-@pytest.fixture()
-def one_thread():
-    """torch on one thread in this process: two threads on two cores shared with a server run ~8x slower here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tool_calling_model(base, out, tokenizer) -> None:
     """The tiny model taught (teacher forcing on one sequence, a few seconds) to answer QUESTION with CALL when it
     decodes greedily: a tiny random model never calls a tool by itself; this one does, through the real server."""
@@ -102,7 +93,7 @@ def tool_calling_model(base, out, tokenizer) -> None:
     tokenizer.save_pretrained(out)
 
 
-def test_tool_call_round_trip_through_the_server(tiny_model, server, tmp_path, one_thread):
+def test_tool_call_round_trip_through_the_server(tiny_model, server, tmp_path):
     from trl.chat_template_utils import qwen2_5_chat_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)

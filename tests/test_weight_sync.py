@@ -328,13 +328,13 @@ def test_disk_full_during_a_dump_stops_with_a_checkpoint_and_removes_the_partial
 
 def test_a_lora_policy_dumps_its_merged_weights_without_touching_the_model(tiny_model, tmp_path):
     """PEFT: each layer merged in its bucket (base + delta, computed aside) under the base model's names, as
-    `merge_and_unload` gives them. Skipped where peft is not installed (it is not a dependency)."""
+    `merge_and_unload` gives them (peft is a test dependency, not a runtime one)."""
     import copy
 
+    import peft
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
                                 peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))

@@ -223,7 +223,23 @@ class StreamOptions(_Strict):
     continuous_usage_stats: StrictBool = False
 
 
-class CompletionRequest(_Strict):
+class _OpenAIRequest(_Strict):
+    """The fields `/v1/completions` and `/v1/chat/completions` share, with the same meaning and default."""
+
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    logit_bias: Optional[dict[StrictStr, Number]] = None
+    ignore_eos: StrictBool = False
+    no_stop_trim: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[StrictStr] = None  # OpenAI's end-user id: no effect on the answer (as in SGLang)
+
+
+class CompletionRequest(_OpenAIRequest):
     """Body of `POST /v1/completions` (OpenAI, with SGLang's extensions `top_k`, `min_p`, `min_tokens`,
     `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `return_token_ids` and `rid`, and vLLM's
     `return_tokens_as_token_ids`, which makes `logprobs.tokens` read `"token_id:N"`)."""
@@ -239,22 +255,11 @@ class CompletionRequest(_Strict):
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(-1, ge=-1, le=TOP_K_MAX)
     min_p: Number = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: StrictInt = Field(0, ge=0)
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
-    stop: Union[StrictStr, list[StrictStr], None] = None
-    stop_token_ids: Optional[list[StrictInt]] = None
-    logit_bias: Optional[dict[StrictStr, Number]] = None
-    ignore_eos: StrictBool = False
-    no_stop_trim: StrictBool = False
-    seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stream: StrictBool = False
-    stream_options: Optional[StreamOptions] = None
     return_token_ids: StrictBool = False
     return_tokens_as_token_ids: StrictBool = False
-    skip_special_tokens: StrictBool = True
     rid: Union[StrictStr, list[StrictStr], None] = None
-    user: Optional[StrictStr] = None  # OpenAI's end-user id: no effect on the answer (as in SGLang)
 
     @property
     def text_prompts(self) -> bool:
@@ -306,7 +311,7 @@ class ChatMessage(_Strict):
         return message
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(_OpenAIRequest):
     """Body of `POST /v1/chat/completions` (OpenAI, with SGLang's extensions `top_k`, `min_p`, `min_tokens`,
     `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `continue_final_message` and `rid`). Without `max_completion_tokens`
     (or the deprecated `max_tokens`) a completion may run to the end of the context, as in SGLang."""
@@ -323,21 +328,10 @@ class ChatCompletionRequest(_Strict):
     top_p: Optional[Number] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[StrictInt] = Field(None, ge=-1, le=TOP_K_MAX)
     min_p: Optional[Number] = Field(None, ge=0.0, le=1.0)
-    min_tokens: StrictInt = Field(0, ge=0)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
-    stop: Union[StrictStr, list[StrictStr], None] = None
-    stop_token_ids: Optional[list[StrictInt]] = None
-    logit_bias: Optional[dict[StrictStr, Number]] = None
-    ignore_eos: StrictBool = False
-    no_stop_trim: StrictBool = False
-    skip_special_tokens: StrictBool = True
-    seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stream: StrictBool = False
-    stream_options: Optional[StreamOptions] = None
     continue_final_message: StrictBool = False
     rid: Optional[StrictStr] = None
-    user: Optional[StrictStr] = None  # OpenAI's end-user id: no effect on the answer (as in SGLang)
 
     def template_messages(self) -> tuple[list[dict], Optional[str]]:
         """The messages for the chat template and the text to append after it. As SGLang: a last assistant message

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks in tools/ (and the tests): machine facts, the models and prompts they run on, the
+"""Helpers shared by the benchmarks in tools/ (and the tests): machine facts, the models and prompts they run on,
+side-by-side timing, the machine's parallel speed-up, the
 table and the JSON file.
 
 Each benchmark prints `header(facts)` above a `markdown_table(...)` and, with `--json FILE`, writes `write_json`.
@@ -10,8 +11,9 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -76,3 +78,38 @@ def verdict(met: bool) -> str:
 def write_json(path: Path, figures: dict) -> None:
     """Write `figures`, a flat dict under stable keys such as `trainer.stock.peak_rss_bytes`."""
     path.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def alternate(baseline: Callable[[], object], ours: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
+    """Time both `repeats` times, swapping which goes first each round so drift in machine load hits both."""
+    times: dict[str, list[float]] = {"baseline": [], "ours": []}
+    order = [("baseline", baseline), ("ours", ours)]
+    for rep in range(repeats):
+        for name, fn in order if rep % 2 == 0 else order[::-1]:
+            times[name].append(timed(fn))
+    return times["baseline"], times["ours"]
+
+
+def _spin(_) -> float:
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+    start = time.perf_counter()
+    for _ in range(300):
+        a @ a
+    return time.perf_counter() - start
+
+
+def parallel_speedup() -> float:
+    """(2 x one job alone) / (two jobs at once): 2.0 on two free cores, 1.0 when they time-share one."""
+    import multiprocessing
+
+    alone = _spin(0)
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        together = max(pool.map(_spin, [0, 1]))
+    return 2 * alone / together

@@ -1,6 +1,5 @@
 """Helpers shared by the benchmarks in tools/ (and the tests): machine facts, the models and prompts they run on,
-side-by-side timing, the machine's parallel speed-up, the
-table and the JSON file.
+side-by-side timing, the machine's parallel speed-up, the table and the JSON file.
 
 Each benchmark prints `header(facts)` above a `markdown_table(...)` and, with `--json FILE`, writes `write_json`.
 """

@@ -435,9 +435,13 @@ def input_token_logprobs(result: dict) -> list:
     return result["meta_info"]["input_token_logprobs"]
 
 
-def generate_request(prompts: list[list[int]], sampling: list[dict]) -> dict:
-    """`/generate` body sampling one completion per prompt, with its own `sampling_params`, and their log-probs."""
-    return {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True}
+def generate_request(prompts: list[list[int]], sampling: list[dict], lora_path: Optional[str] = None) -> dict:
+    """`/generate` body sampling one completion per prompt, with its own `sampling_params`, and their log-probs;
+    `lora_path`: the loaded LoRA adapter every item samples with (its `lora_name`; None: the base model)."""
+    body = {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True}
+    if lora_path is not None:
+        body["lora_path"] = [lora_path] * len(prompts)
+    return body
 
 
 def with_seed(sampling: dict, seed: Optional[int]) -> dict:
@@ -460,6 +464,16 @@ def update_weights_request(model_path: str, weight_version: Optional[str] = None
     if weight_version is not None:
         body["weight_version"] = str(weight_version)
     return body
+
+
+def load_lora_request(lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+    """`/load_lora_adapter` body: load the PEFT adapter directory `lora_path` under the name `lora_name`."""
+    return {"lora_name": str(lora_name), "lora_path": str(lora_path), "pinned": bool(pinned)}
+
+
+def unload_lora_request(lora_name: str) -> dict:
+    """`/unload_lora_adapter` body."""
+    return {"lora_name": str(lora_name)}
 
 
 def completions_request(model: str, prompts: Sequence[Sequence[int]], sampling: dict, n: int,

@@ -34,7 +34,9 @@ from open_r1_ext.protocol import (
     completion_from_generate,
     generate_request,
     input_token_logprobs,
+    load_lora_request,
     reference_request,
+    unload_lora_request,
     update_weights_request,
     with_seed,
 )
@@ -67,8 +69,9 @@ VLLM_TWINS = {"min_tokens": "min_new_tokens"}
 TRAINER_SET = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
                "n": "num_generations", "sampling_seed": "seed (one sampling_seed per sample is derived from it)",
                "seed": "seed (one sampling_seed per sample is derived from it)"}
-# Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301; `utils/auth.py` ~130).
-ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache")
+# Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1653, ~1677, all
+# `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130).
+ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter")
 
 
 class ServerError(RuntimeError):
@@ -108,8 +111,8 @@ class SGLangClient:
         max_batch_tokens (`int`, *optional*, defaults to `65536`): token budget of one request; larger batches are
             split and the parts sent concurrently.
         max_concurrency (`int`, *optional*, defaults to `8`): requests in flight at once from this client.
-        admin_api_key (`str` or `None`, *optional*): sent instead of `api_key` on `/update_weights_from_disk` and
-            `/flush_cache` (SGLang's `--admin-api-key` locks them to it).
+        admin_api_key (`str` or `None`, *optional*): sent instead of `api_key` on `/update_weights_from_disk`,
+            `/flush_cache`, `/load_lora_adapter` and `/unload_lora_adapter` (SGLang's `--admin-api-key` locks them to it).
 
     Examples:
         Start a server (`python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --port 30000`,
@@ -124,6 +127,16 @@ class SGLangClient:
         [[Completion(token_ids=[17, 3, ...], logprobs=[...], finish_reason='length', weight_version='default'), ...]]
         >>> client.update_weights_from_disk("/shared/run/weights/step-10", weight_version="10")
         {'success': True, 'message': 'Succeeded to update model weights...', 'num_paused_requests': 0}
+        ```
+
+        With LoRA (`--enable-lora --max-lora-rank 16 --lora-target-modules all`), the base model serves the reference
+        and an adapter the policy:
+
+        ```python
+        >>> client.load_lora_adapter("policy-v10", "/shared/run/weights/step-10")
+        {'success': True, 'error_message': '', 'loaded_adapters': {'policy-v10': '/shared/run/weights/step-10'}, ...}
+        >>> client.generate([[1, 2, 3]], {"max_new_tokens": 4}, lora_path="policy-v10")
+        >>> client.unload_lora_adapter("policy-v9")
         ```
     """
 
@@ -245,11 +258,13 @@ class SGLangClient:
         sampling: dict,
         n: int = 1,
         seeds: Optional[Sequence[int]] = None,
+        lora_path: Optional[str] = None,
     ) -> list[list[Completion]]:
         """Sample `n` completions of each prompt; returns them prompt by prompt.
 
         Each copy is its own request item with its own `sampling_seed` (from `seeds`, `len(prompts) * n` of them,
-        prompt-major), so copies differ even on a server in deterministic mode.
+        prompt-major), so copies differ even on a server in deterministic mode. `lora_path`: the name of a loaded
+        LoRA adapter (`load_lora_adapter`) every item samples with; None samples with the base model.
         """
         items = [list(map(int, p)) for p in prompts for _ in range(n)]
         if seeds is not None and len(seeds) != len(items):
@@ -259,7 +274,7 @@ class SGLangClient:
         max_new = int(sampling.get("max_new_tokens", 128))
 
         def body(batch):
-            return generate_request([ids for ids, _ in batch], [p for _, p in batch])
+            return generate_request([ids for ids, _ in batch], [p for _, p in batch], lora_path)
 
         results = self._batched_generate(indexed, body, [len(ids) + max_new for ids in items])
         flat = [completion_from_generate(r) for r in results]
@@ -273,11 +288,7 @@ class SGLangClient:
         """
         body = update_weights_request(model_path, weight_version, **extra)
         url = f"{self.base_url}/update_weights_from_disk"
-        if os.path.lexists(os.path.join(model_path, MANIFEST)):
-            try:
-                check_manifest(Path(model_path), checksums=False)
-            except WeightFileError as err:
-                raise IncompleteDumpError(f"not asking {url} to load an incomplete dump: {err}") from err
+        _check_dump(model_path, url)
         try:
             result = self.post_json("/update_weights_from_disk", body)
         except ServerRequestError as err:
@@ -285,6 +296,33 @@ class SGLangClient:
                                      err.status_code, err.detail) from err
         if not result.get("success", False):
             raise ServerRequestError(f"{url} refused the weights in {model_path}: {result.get('message')}", 400)
+        return result
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Load the PEFT adapter directory `lora_path` (one the server can read) under the name `lora_name`, which
+        `generate(..., lora_path=lora_name)` then names (SGLang's dynamic LoRA: the server needs `--enable-lora`);
+        raises `ServerRequestError` on failure (e.g. the name is taken). A dump with a `manifest.json` this machine
+        can see is checked first, as for `update_weights_from_disk`."""
+        url = f"{self.base_url}/load_lora_adapter"
+        _check_dump(lora_path, url)
+        return self._lora_call("/load_lora_adapter", load_lora_request(lora_name, lora_path),
+                               f"the LoRA adapter {lora_name} from {lora_path}")
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Unload the adapter `lora_name`; raises `ServerRequestError` on failure (e.g. no adapter of that name).
+        SGLang refuses new requests naming it at once and unloads it once the requests in flight that use it end."""
+        return self._lora_call("/unload_lora_adapter", unload_lora_request(lora_name), f"unloading the LoRA adapter {lora_name}")
+
+    def _lora_call(self, route: str, body: dict, what: str) -> dict:
+        """POST a LoRA load/unload; SGLang answers `{success, error_message, loaded_adapters}`, HTTP 400 on failure."""
+        url = f"{self.base_url}{route}"
+        try:
+            result = self.post_json(route, body)
+        except ServerRequestError as err:
+            raise ServerRequestError(f"{url} refused {what} (HTTP {err.status_code}): {err.detail}",
+                                     err.status_code, err.detail) from err
+        if not result.get("success", False):
+            raise ServerRequestError(f"{url} refused {what}: {result.get('error_message')}", 400)
         return result
 
     # ------------------------------------------------------------- batching
@@ -324,6 +362,16 @@ class SGLangClient:
             return send(parts[0])
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(parts))) as pool:
             return [r for chunk in pool.map(send, parts) for r in chunk]
+
+
+def _check_dump(path: str, url: str) -> None:
+    """A dump with a `manifest.json` (the trainer's) that this machine can see: every file present with its size,
+    else `IncompleteDumpError` (SGLang loads whatever tensors a directory holds and reports success)."""
+    if os.path.lexists(os.path.join(path, MANIFEST)):
+        try:
+            check_manifest(Path(path), checksums=False)
+        except WeightFileError as err:
+            raise IncompleteDumpError(f"not asking {url} to load an incomplete dump: {err}") from err
 
 
 def _aborted(result: dict) -> bool:
@@ -378,7 +426,7 @@ def _error_text(response: requests.Response) -> str:
     except ValueError:
         return response.text.strip()[:500]
     if isinstance(body, dict):
-        error = body.get("error") or body.get("message") or body
+        error = body.get("error") or body.get("error_message") or body.get("message") or body
         if isinstance(error, dict):
             return str(error.get("message", error))
         return str(error)

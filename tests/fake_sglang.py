@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler
 from typing import Optional
 
@@ -18,21 +20,28 @@ from open_r1_ext.sglang_client import SGLANG_SAMPLING_PARAMS
 from tests.helpers import http_server
 
 DEPRECATED = {"/get_model_info": "/model_info", "/get_server_info": "/server_info"}  # http_server.py ~802-863
-ADMIN_OPTIONAL = ("/update_weights_from_disk", "/flush_cache")  # http_server.py ~1026, ~1301
+# http_server.py ~1026, ~1301, ~1653, ~1677
+ADMIN_OPTIONAL = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter")
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."  # tokenizer_control_mixin.py ~666
 
 
 class FakeSGLang:
     """SGLang's answers for a model with `architectures` and `model_type`, `vocab_size` tokens and `context_length`
-    (null in `/server_info` unless `report_context_length`, as when SGLang was started without `--context-length`)."""
+    (null in `/server_info` unless `report_context_length`, as when SGLang was started without `--context-length`).
+    `enable_lora`: started with `--enable-lora` (dynamic LoRA: `/load_lora_adapter`, `/unload_lora_adapter`, and
+    `lora_path` on `/generate`; `fake.adapters` maps each loaded name to its path)."""
 
     def __init__(self, architectures=("Qwen2ForCausalLM",), model_type: str = "qwen2", vocab_size: int = 300,
                  context_length: int = 2048, report_context_length: bool = False, api_key: Optional[str] = None,
-                 admin_api_key: Optional[str] = None, aborts: int = 0):
+                 admin_api_key: Optional[str] = None, aborts: int = 0, enable_lora: bool = False):
         self.architectures, self.model_type, self.vocab_size = list(architectures), model_type, vocab_size
         self.context_length, self.report_context_length = context_length, report_context_length
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.aborts = aborts  # the next this many generated items are aborted
         self.weight_version = "default"
+        self.enable_lora = enable_lora
+        self.adapters: OrderedDict[str, str] = OrderedDict()  # loaded: name -> path (lora_registry.py ~89)
+        self.ever_loaded: dict[str, str] = {}  # tokenizer_manager.py's lora_ref_cache: never cleared on unload
         self.calls: list[tuple[str, str, Optional[dict], Optional[str]]] = []
         self.lock = threading.Lock()
         self._serving = contextlib.ExitStack()
@@ -62,6 +71,9 @@ class FakeSGLang:
 
     def generate(self, body: dict) -> tuple[int, object]:
         prompts = body["input_ids"] if body["input_ids"] and isinstance(body["input_ids"][0], list) else [body["input_ids"]]
+        lora_error = self._resolve_lora(body.get("lora_path"))
+        if lora_error:
+            return 400, {"error": {"message": lora_error}}
         params = body.get("sampling_params") or {}
         params = params if isinstance(params, list) else [params] * len(prompts)
         out = []
@@ -97,6 +109,57 @@ class FakeSGLang:
             self.weight_version = body["weight_version"]
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
+    def _resolve_lora(self, lora_path) -> Optional[str]:
+        """tokenizer_manager.py ~3723-3791: LoRA not enabled; a name never loaded; a name unloaded since is loaded
+        again, implicitly, from the path it was loaded from (its `lora_ref_cache` entry)."""
+        names = [lora_path] if isinstance(lora_path, str) else [n for n in lora_path or () if n]
+        if not names:
+            return None
+        if not self.enable_lora:
+            return (f"LoRA adapter '{names[0]}' was requested, but LoRA is not enabled. Please launch the server with "
+                    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")
+        for name in dict.fromkeys(names):
+            if name in self.adapters:
+                continue
+            if name not in self.ever_loaded:
+                return (f"Got LoRA adapter that has never been loaded: {name}\n"
+                        f"All loaded adapters: {self.ever_loaded.keys()}.")
+            status, result = self.load_lora_adapter({"lora_name": name, "lora_path": self.ever_loaded[name]})
+            if status != 200:
+                return f"Failed to implicitly load LoRA adapter {name}: {result['error_message']}"
+        return None
+
+    def _lora_result(self, error: Optional[str] = None, adapters: bool = True) -> tuple[int, dict]:
+        """io_struct.py ~2572 `LoRAUpdateOutput` through `msgspec_to_builtins` (with BaseReq's rid, http_worker_ipc);
+        HTTP 400 when not successful (http_server.py ~1659, ~1683)."""
+        body = {"rid": None, "http_worker_ipc": None, "success": error is None, "error_message": error or "",
+                "loaded_adapters": dict(self.adapters) if adapters else None}
+        return (400 if error else 200), body
+
+    def load_lora_adapter(self, body: dict) -> tuple[int, dict]:
+        """tokenizer_control_mixin.py ~659-743, lora_manager.py ~275-365. The missing-path message is the fake's own
+        (SGLang's comes from its config loader)."""
+        if not self.enable_lora:
+            return self._lora_result(LORA_DISABLED, adapters=False)
+        name, path = body["lora_name"], body["lora_path"]
+        if name in self.adapters:
+            return self._lora_result(f"Failed to load LoRA adapter {name} because it is already loaded")
+        if not os.path.isdir(path):
+            return self._lora_result(f"LoRA adapter path {path} does not exist")
+        self.adapters[name] = self.ever_loaded[name] = path
+        return self._lora_result()
+
+    def unload_lora_adapter(self, body: dict) -> tuple[int, dict]:
+        """tokenizer_control_mixin.py ~634-657, ~831-860; lora_registry.py ~109-124 for an unknown name."""
+        if not self.enable_lora:
+            return self._lora_result(LORA_DISABLED, adapters=False)
+        name = body["lora_name"]
+        if name not in self.adapters:
+            return self._lora_result(f"LoRA with name {name} does not exist. Loaded LoRAs: {self.adapters.keys()}",
+                                     adapters=False)
+        del self.adapters[name]
+        return self._lora_result()
+
     # ------------------------------------------------------------------ HTTP
     def _allowed(self, path: str, authorization: Optional[str]) -> bool:
         """utils/auth.py ~100-151: /health* open; admin routes take only the admin key when one is set."""
@@ -112,6 +175,8 @@ class FakeSGLang:
                   ("GET", "/server_info"): lambda: (200, self.server_info()),
                   ("POST", "/generate"): lambda: self.generate(body),
                   ("POST", "/update_weights_from_disk"): lambda: self.update_weights_from_disk(body),
+                  ("POST", "/load_lora_adapter"): lambda: self.load_lora_adapter(body),
+                  ("POST", "/unload_lora_adapter"): lambda: self.unload_lora_adapter(body),
                   ("POST", "/flush_cache"): lambda: (200, "Cache flushed.\n")}
         route = routes.get((method, path))
         return route() if route else (404, {"detail": "Not Found"})

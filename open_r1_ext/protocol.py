@@ -38,7 +38,7 @@ UNSUPPORTED_GENERATE_FIELDS: dict[str, Any] = {
     "return_sampling_mask": None, "sampling_logprobs_mode": None, "return_flat_raw_top_logprobs": False,
     "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False, "log_metrics": True,
     "return_hidden_states": False, "return_routed_experts": False, "routed_experts_start_len": 0,
-    "return_indexer_topk": False, "modalities": None, "session_params": None, "lora_path": None, "lora_id": None,
+    "return_indexer_topk": False, "modalities": None, "session_params": None, "lora_id": None,
     "custom_logit_processor": None, "positional_embed_overrides": None, "bootstrap_host": None, "bootstrap_port": None,
     "bootstrap_room": None, "bootstrap_pair_key": None, "decode_tp_size": None, "routed_dp_rank": None,
     "data_parallel_rank": None, "disagg_prefill_dp_rank": None, "routing_key": None, "conversation_id": None,
@@ -86,6 +86,14 @@ UNSUPPORTED_RELOAD_FIELDS: dict[str, Any] = {
     "is_async": False, "torch_empty_cache": False, "keep_pause": False, "recapture_cuda_graph": False, "token_step": 0,
     "manifest": None,
 }
+UNSUPPORTED_LORA_FIELDS: dict[str, Any] = {"rid": None, "http_worker_ipc": None, "lora_id": None}
+# SGLang's `--lora-target-modules` choices (`utils/common.py` ~4700-4724), "all" being every one the model has.
+SGLANG_LORA_TARGET_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b", "wk",
+    "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head", "qkvr",
+    "wo_ud",
+)
+LORA_TARGET_ALL = "all"
 # OpenAI's legacy completions return at most this many `top_logprobs` per token.
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's chat completions return at most this many `top_logprobs` per token.
@@ -170,6 +178,7 @@ class GenerateReqInput(_Strict):
     return_text_in_logprobs: StrictBool = False
     stream: StrictBool = False
     rid: Union[StrictStr, list[StrictStr], None] = None
+    lora_path: Union[StrictStr, list[Optional[StrictStr]], None] = None  # a loaded adapter's lora_name (per prompt)
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateReqInput":
@@ -214,6 +223,27 @@ class UpdateWeightFromDiskReqInput(_Strict):
     abort_all_requests: StrictBool = False
     flush_cache: StrictBool = True
     mixup_alpha: Optional[Number] = Field(None, gt=0.0, le=1.0)
+
+
+class LoadLoRAAdapterReqInput(_Strict):
+    """Body of `POST /load_lora_adapter`: the PEFT adapter directory `lora_path`, served under `lora_name`
+    (`pinned`: kept from eviction in SGLang; the built-in server evicts none)."""
+
+    unsupported = UNSUPPORTED_LORA_FIELDS
+    what = "SGLang's /load_lora_adapter"
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_path: StrictStr = Field(min_length=1)
+    pinned: StrictBool = False
+
+
+class UnloadLoRAAdapterReqInput(_Strict):
+    """Body of `POST /unload_lora_adapter`."""
+
+    unsupported = UNSUPPORTED_LORA_FIELDS
+    what = "SGLang's /unload_lora_adapter"
+
+    lora_name: StrictStr = Field(min_length=1)
 
 
 class StreamOptions(_Strict):
@@ -381,6 +411,12 @@ def finish_reason(kind: str, value: Any) -> dict:
     if kind == "abort":
         return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     return {"type": "length", "length": value}
+
+
+def lora_update_output(error: Optional[str], loaded_adapters: Optional[dict[str, str]]) -> dict:
+    """SGLang's answer to a LoRA load or unload (`LoRAUpdateOutput`): `success`, `error_message` and the adapters then
+    loaded (name -> path)."""
+    return {"success": error is None, "error_message": error or "", "loaded_adapters": loaded_adapters}
 
 
 def error_body(message: str) -> dict:

@@ -4,8 +4,19 @@ needs CUDA) and against the real built-in server with the tiny model and a tiny 
 
 from __future__ import annotations
 
-import pytest
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
 
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.protocol import input_token_logprobs, reference_request
+from open_r1_ext.server.app import parse_args
 from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
 from tests.fake_sglang import FakeSGLang
 
@@ -47,3 +58,194 @@ def test_client_raises_sglang_s_message_when_a_lora_call_fails(tmp_path):
             client.unload_lora_adapter("v2")
         with pytest.raises(ServerRequestError, match="never been loaded: v2"):
             client.generate([[1]], {"max_new_tokens": 1}, lora_path="v2")
+
+
+# ------------------------------------------------------------------------------------ the built-in server, real
+LORA_MODULES = ("q_proj", "v_proj", "down_proj")
+PROMPTS = [[5, 9, 2, 7, 1], [11, 3, 8], [4, 4, 6, 12, 30, 2]]
+
+
+def make_adapter(base: Path, out: Path, seed: int, r: int = 4, modules=LORA_MODULES) -> Path:
+    """A PEFT LoRA adapter of `base` with random (not zero) weights, saved as peft saves one."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(modules)))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.2)
+    model.save_pretrained(out)
+    return out
+
+
+def merged(base: Path, adapter: Optional[Path]):
+    """The model a request should be answered with: the base, or the base with `adapter` merged in (peft)."""
+    model = AutoModelForCausalLM.from_pretrained(base)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return model.eval()
+
+
+def logprobs_of(model, sequence: list[int]) -> list[float]:
+    """log p(t_i | t_<i), i = 1..len-1."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([sequence])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(sequence[1:])[:, None])[:, 0].tolist()
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory, tiny_model) -> Path:
+    """The directory the LoRA server reads adapters from (--weight-dirs), with adapters v1 and v2 in it."""
+    root = tmp_path_factory.mktemp("lora-weights")
+    make_adapter(tiny_model, root / "step-1", seed=1)
+    make_adapter(tiny_model, root / "step-2", seed=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model, weights, tmp_path_factory):
+    log = tmp_path_factory.mktemp("lora-log") / "server.log"
+    flags = ("--no-ref-slot", "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", *LORA_MODULES,
+             "--weight-dirs", str(weights))
+    with BuiltinServer(str(tiny_model), log_path=str(log), extra_args=flags, deterministic=True) as srv:
+        yield SGLangClient(srv.url)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model, weights):
+    return {None: merged(tiny_model, None), "step-1": merged(tiny_model, weights / "step-1"),
+            "step-2": merged(tiny_model, weights / "step-2")}
+
+
+def score(client: SGLangClient, sequences, lora_path=None) -> list[list[float]]:
+    """The server's log-probs of whole sequences (a reference pass), with `lora_path` (a name, or one per sequence)."""
+    body = {**reference_request(sequences), "lora_path": lora_path}
+    return [[e[0] for e in input_token_logprobs(r)[1:]] for r in client.post_json("/generate", body)]
+
+
+def close(got: list[float], want: list[float]) -> bool:
+    return len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+
+
+def test_an_adapter_serves_the_merged_model_and_no_lora_path_the_base(lora_server, weights, models):
+    loaded = lora_server.load_lora_adapter("policy-v1", str(weights / "step-1"))
+    assert loaded == {"success": True, "error_message": "", "loaded_adapters": {"policy-v1": str(weights / "step-1")}}
+    try:
+        for sequence, got in zip(PROMPTS, score(lora_server, PROMPTS, "policy-v1")):
+            assert close(got, logprobs_of(models["step-1"], sequence))
+        for sequence, got in zip(PROMPTS, score(lora_server, PROMPTS)):  # the reference: the base model
+            assert close(got, logprobs_of(models[None], sequence))
+        # sampling: each completion's log-probs are those of the merged model, a step at a time (the KV cache path)
+        sampled = lora_server.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 1.0}, n=2, seeds=range(6),
+                                       lora_path="policy-v1")
+        for prompt, copies in zip(PROMPTS, sampled):
+            for completion in copies:
+                want = logprobs_of(models["step-1"], prompt + completion.token_ids)[len(prompt) - 1:]
+                assert close(completion.logprobs, want)
+        assert score(lora_server, PROMPTS[:1], "policy-v1") != score(lora_server, PROMPTS[:1])  # the adapter counts
+    finally:
+        lora_server.unload_lora_adapter("policy-v1")
+
+
+def test_a_mixed_batch_gives_each_item_its_own_model(lora_server, weights, models):
+    lora_server.load_lora_adapter("a", str(weights / "step-1"))
+    lora_server.load_lora_adapter("b", str(weights / "step-2"))
+    try:
+        names, which = ["a", None, "b"], ["step-1", None, "step-2"]
+        for sequence, got, model in zip(PROMPTS, score(lora_server, PROMPTS, names), which):
+            assert close(got, logprobs_of(models[model], sequence))
+        body = {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
+                "return_logprob": True, "lora_path": names}
+        for prompt, answer, model in zip(PROMPTS, lora_server.post_json("/generate", body), which):
+            output = answer["output_ids"]
+            want = logprobs_of(models[model], prompt + output)[len(prompt) - 1:]
+            assert close([e[0] for e in answer["meta_info"]["output_token_logprobs"]], want)
+            alone = lora_server.post_json("/generate", {**body, "input_ids": prompt, "lora_path": names[PROMPTS.index(prompt)]})
+            assert alone["output_ids"] == output  # greedy: the same tokens as when sent alone
+    finally:
+        lora_server.unload_lora_adapter("a")
+        lora_server.unload_lora_adapter("b")
+
+
+def test_versioned_names_load_the_next_then_unload_the_previous(lora_server, weights, models):
+    lora_server.load_lora_adapter("policy-v1", str(weights / "step-1"))
+    with pytest.raises(ServerRequestError, match="policy-v1 because it is already loaded"):
+        lora_server.load_lora_adapter("policy-v1", str(weights / "step-2"))
+    assert lora_server.load_lora_adapter("policy-v2", str(weights / "step-2"))["loaded_adapters"] == {
+        "policy-v1": str(weights / "step-1"), "policy-v2": str(weights / "step-2")}
+    assert close(score(lora_server, PROMPTS[:1], "policy-v2")[0], logprobs_of(models["step-2"], PROMPTS[0]))
+    assert lora_server.unload_lora_adapter("policy-v1")["loaded_adapters"] == {"policy-v2": str(weights / "step-2")}
+    with pytest.raises(ServerRequestError, match="'policy-v1' was unloaded") as err:
+        lora_server.generate(PROMPTS[:1], {"max_new_tokens": 2}, lora_path="policy-v1")
+    assert err.value.status_code == 400
+    with pytest.raises(ServerRequestError, match="'policy-v9' is not loaded"):
+        score(lora_server, PROMPTS[:1], "policy-v9")
+    with pytest.raises(ServerRequestError, match="LoRA with name policy-v1 does not exist"):
+        lora_server.unload_lora_adapter("policy-v1")
+    assert close(score(lora_server, PROMPTS[:1], "policy-v2")[0], logprobs_of(models["step-2"], PROMPTS[0]))
+    # the name can be served again, by other weights
+    lora_server.load_lora_adapter("policy-v1", str(weights / "step-2"))
+    assert close(score(lora_server, PROMPTS[:1], "policy-v1")[0], logprobs_of(models["step-2"], PROMPTS[0]))
+    lora_server.unload_lora_adapter("policy-v1")
+    lora_server.unload_lora_adapter("policy-v2")
+
+
+def test_adapters_the_server_cannot_serve_are_refused_by_name(lora_server, weights, tiny_model, tmp_path):
+    cases = {  # lora_path -> what the refusal says
+        str(make_adapter(tiny_model, tmp_path / "elsewhere", seed=3)): "is not below a directory this server may read",
+        str(make_adapter(tiny_model, weights / "rank-16", seed=3, r=16)): "rank 16 is above the server's --max-lora-rank 8",
+        str(make_adapter(tiny_model, weights / "o-proj", seed=3, modules=("q_proj", "o_proj"))):
+            "adapts o_proj, outside the server's --lora-target-modules down_proj q_proj v_proj",
+        str(weights / "missing"): "no adapter_config.json",
+    }
+    (weights / "no-weights").mkdir()
+    (weights / "no-weights" / "adapter_config.json").write_text((weights / "step-1" / "adapter_config.json").read_text())
+    cases[str(weights / "no-weights")] = "no adapter_model.safetensors"
+    for path, words in cases.items():
+        with pytest.raises(ServerRequestError, match="refused the LoRA adapter bad") as err:
+            lora_server.load_lora_adapter("bad", path)
+        assert err.value.status_code == 400 and words in str(err.value), (path, str(err.value))
+    assert lora_server.post_json("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})  # still serving
+    assert lora_server.load_lora_adapter("good", str(weights / "step-1"))["loaded_adapters"] == {"good": str(weights / "step-1")}
+    lora_server.unload_lora_adapter("good")
+
+
+def test_base_weight_reloads_keep_the_adapters(lora_server, weights, models, tiny_model, other_tiny_model):
+    """/update_weights_from_disk replaces the base weights under a loaded adapter (as SGLang): base = the new model,
+    adapter = the new base with the adapter merged."""
+    dump, base = weights / "other-base", weights / "base"
+    shutil.copytree(other_tiny_model, dump)
+    shutil.copytree(tiny_model, base)
+    lora_server.load_lora_adapter("v1", str(weights / "step-1"))
+    try:
+        lora_server.update_weights_from_disk(str(dump), weight_version="other")
+        assert close(score(lora_server, PROMPTS[:1])[0], logprobs_of(merged(other_tiny_model, None), PROMPTS[0]))
+        assert close(score(lora_server, PROMPTS[:1], "v1")[0],
+                     logprobs_of(merged(other_tiny_model, weights / "step-1"), PROMPTS[0]))
+    finally:
+        lora_server.update_weights_from_disk(str(base), weight_version="default")
+        lora_server.unload_lora_adapter("v1")
+    assert close(score(lora_server, PROMPTS[:1])[0], logprobs_of(models[None], PROMPTS[0]))
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--enable-lora"], "--enable-lora needs both --max-lora-rank and --lora-target-modules"),
+    (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all", "q_proj"], "'all' must be the only"),
+    (["--max-lora-rank", "8"], "--max-lora-rank take effect only with --enable-lora"),
+    (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "attn"], "invalid choice: 'attn'"),
+])
+def test_lora_flags_are_checked_at_start(flags, words, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", *flags])
+    assert words in capsys.readouterr().err
+
+
+def test_enable_lora_without_peft_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"])
+    assert "--enable-lora needs peft, which is not installed: pip install peft" in capsys.readouterr().err
+
+
+def test_server_info_reports_the_lora_settings(lora_server):
+    info = lora_server.server_info()
+    assert (info["enable_lora"], info["max_lora_rank"], info["lora_target_modules"]) == (True, 8, sorted(LORA_MODULES))

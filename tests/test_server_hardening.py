@@ -20,6 +20,7 @@ from open_r1_ext.server.batcher import Batcher
 from open_r1_ext.server.engine import GenerationTask
 from open_r1_ext.server.limits import Limits
 from open_r1_ext.protocol import SamplingParams
+from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
 
 VOCAB = 300  # the tiny model's
 LIMITED = dict(max_n=8, max_batch_items=16, max_request_tokens=2000, max_body_bytes=20000)
@@ -341,7 +342,8 @@ BAD_GENERATE_VALUES = [
     ("return_logprob", [True, False], "return_logprob"), ("logprob_start_len", 99, "logprob_start_len"),
     ("logprob_start_len", -2, "logprob_start_len"), ("top_logprobs_num", -1, "top_logprobs_num"),
     ("stream", "yes", "stream"), ("rid", 5, "rid"), ("no_such_field", 1, "no_such_field"),
-    ("token_ids_logprob", [VOCAB], "token_ids_logprob"), ("lora_path", "adapter", "not supported by the built-in server"),
+    ("token_ids_logprob", [VOCAB], "token_ids_logprob"), ("lora_path", "adapter", "lora_path: the LoRA adapter 'adapter' was requested, but LoRA is not enabled"),
+    ("lora_path", 5, "lora_path"),
     ("sampling_params.regex", "a+", "sampling_params.regex: not supported"),
     ("sampling_params.repetition_penalty", 1.2, "repetition_penalty"), ("sampling_params.logit_bias", {"x": 1.0}, "logit_bias"),
     ("text", 5, "text"),
@@ -372,6 +374,8 @@ BAD_RAW = [  # (route, body bytes, Content-Type, words)
     ("/update_weights_from_disk", b'{"model_path": ""}', "application/json", "model_path"),
     ("/update_weights_from_disk", b'{"model_path": "/tmp/a\\u0000b"}', "application/json", "NUL"),
     ("/update_weights_from_disk", b'{"model_path": "/x", "mixup_alpha": 2}', "application/json", "mixup_alpha"),
+    ("/load_lora_adapter", b'{"lora_name": "v1"}', "application/json", "lora_path"),
+    ("/unload_lora_adapter", b'{"lora_name": ""}', "application/json", "lora_name"),
 ]
 
 
@@ -499,3 +503,14 @@ def test_fuzz_bad_requests_mixed_with_valid_ones(limited, allowed_dir):
     assert requests.get(f"{url}/get_model_info", timeout=5).json()["weight_version"] == version_before
     assert reference_logprobs(url) == weights_before
     assert elapsed < 60, f"the fuzz run took {elapsed:.1f} s"
+
+
+def test_a_server_without_enable_lora_refuses_adapters(limited, allowed_dir):
+    """As SGLang started without --enable-lora: load and unload answer 400 with its message."""
+    client = SGLangClient(limited.url)
+    with pytest.raises(ServerRequestError, match="LoRA is not enabled. Please set `--enable-lora`") as err:
+        client.load_lora_adapter("v1", str(allowed_dir))
+    assert err.value.status_code == 400
+    with pytest.raises(ServerRequestError, match="LoRA is not enabled"):
+        client.unload_lora_adapter("v1")
+    assert client.server_info()["enable_lora"] is False

@@ -1,13 +1,14 @@
 """The built-in inference server: SGLang's native HTTP protocol on top of a transformers model.
 
     python -m open_r1_ext.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
+        [--enable-lora --max-lora-rank R --lora-target-modules M [M ...]]
 
 Routes are thin: they validate with `open_r1_ext.protocol` and `limits`, hand work to the `Batcher`, and have
 `responses` shape SGLang's and OpenAI's answers (JSON or server-sent events). Every malformed or oversized request,
 and every SGLang field this server does not do, gets HTTP 400 naming the field (or file) and the problem. It serves the
 same clients as a real SGLang server (`/generate`, `/update_weights_from_disk`, `/model_info`, `/server_info` and
 their `/get_*` names, `/health`, `/health_generate`, `/flush_cache`, `/v1/completions`, `/v1/chat/completions`,
-`/v1/models`).
+`/v1/models`, and SGLang's dynamic LoRA: `/load_lora_adapter`, `/unload_lora_adapter`, `lora_path` on `/generate`).
 Two model slots: the policy at `/` and, under `/ref/...`, a second model (the reference, `--ref-model-path`,
 default the same weights) that reloads independently, so one process can host both roles of a GRPO run.
 """
@@ -34,7 +35,7 @@ from jinja2 import TemplateError
 
 from open_r1_ext import __version__
 from open_r1_ext.server.batcher import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, Batcher
-from open_r1_ext.server.engine import DTYPES, GenerationTask, ModelEngine
+from open_r1_ext.server.engine import DTYPES, GenerationTask, LoraSettings, ModelEngine
 from open_r1_ext.server.limits import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -61,13 +62,18 @@ from open_r1_ext.server.responses import (
     usage,
 )
 from open_r1_ext.protocol import (
+    LORA_TARGET_ALL,
+    SGLANG_LORA_TARGET_MODULES,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateReqInput,
+    LoadLoRAAdapterReqInput,
     SamplingParams,
     StreamOptions,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     error_body,
+    lora_update_output,
 )
 from open_r1_ext.weight_files import WeightFileError
 
@@ -76,6 +82,7 @@ HEALTH_TIMEOUT_S = 20.0
 HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)  # /health_generate: one greedy token
 DETERMINISTIC_DEFAULT_SEED = 42  # SGLang's seed for a request without `sampling_seed` in deterministic mode
 LOAD_FORMATS = (None, "auto", "safetensors")
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."  # SGLang's words
 
 
 # pydantic names the member of a union it tried in an error's location ("SamplingParams", "list[int]", "float"):
@@ -272,6 +279,9 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     max_len = context_length or engine.context_length
     started = int(time.time())
     in_flight: set[GenerationTask] = set()  # what a reload with abort_all_requests aborts
+    loras: dict[str, tuple[str, str]] = {}  # LoRA adapters served: lora_name -> (the engine's adapter id, lora_path)
+    lora_names_busy: set[str] = set()  # names being loaded
+    lora_names_unloaded: set[str] = set()  # names unloaded (and not loaded again): a request naming one is told so
 
     def seed_of(sampling_seed: Optional[int]) -> int:
         """As SGLang: `sampling_seed` counts only with `--enable-deterministic-inference` (then a request without one
@@ -337,6 +347,9 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             "enable_deterministic_inference": deterministic,
             "supports_weight_mixup": True,  # `mixup_alpha` on /update_weights_from_disk (SGLang has none)
             "openai_text_only": text_only,
+            "enable_lora": engine.lora is not None,
+            "max_lora_rank": engine.lora.max_rank if engine.lora else None,
+            "lora_target_modules": (sorted(engine.lora.target_modules or [LORA_TARGET_ALL]) if engine.lora else None),
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -363,18 +376,74 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         logger.info("%s (weight_version=%s, %d requests aborted)", message, engine.weight_version, aborted)
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
+    def lora_answer(error: Optional[str] = None) -> JSONResponse:
+        """SGLang's answer to a LoRA load/unload: HTTP 400 when it failed."""
+        loaded = {name: path for name, (_, path) in loras.items()}
+        return JSONResponse(status_code=400 if error else 200, content=lora_update_output(error, loaded))
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(obj: LoadLoRAAdapterReqInput) -> JSONResponse:
+        """As SGLang: a name already served is refused; the adapter directory must lie below --weight-dirs."""
+        if engine.lora is None:
+            return lora_answer(LORA_DISABLED)
+        name = obj.lora_name
+        if name in loras or name in lora_names_busy:
+            return lora_answer(f"Failed to load LoRA adapter {name} because it is already loaded")
+        lora_names_busy.add(name)
+        try:
+            path = _allowed(obj.lora_path, weight_dirs, "lora_path")
+            adapter = await asyncio.wrap_future(batcher.call_exclusive(lambda: engine.load_adapter(path)))
+        except (WeightFileError, OSError) as err:
+            logger.warning("LoRA adapter %s from %s refused: %s", name, obj.lora_path, err)
+            return lora_answer(f"Failed to load LoRA adapter {name}: {err}")
+        finally:
+            lora_names_busy.discard(name)
+        loras[name] = (adapter, obj.lora_path)
+        lora_names_unloaded.discard(name)
+        logger.info("LoRA adapter %s loaded from %s", name, obj.lora_path)
+        return lora_answer()
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(obj: UnloadLoRAAdapterReqInput) -> JSONResponse:
+        """As SGLang: from now on a request naming the adapter is refused; the requests already queued that use it
+        finish with it, then it is removed."""
+        if engine.lora is None:
+            return lora_answer(LORA_DISABLED)
+        if obj.lora_name not in loras:
+            return lora_answer(f"LoRA with name {obj.lora_name} does not exist. Loaded LoRAs: {', '.join(loras) or 'none'}")
+        adapter, _ = loras.pop(obj.lora_name)
+        lora_names_unloaded.add(obj.lora_name)
+        await asyncio.wrap_future(batcher.call_exclusive(lambda: engine.unload_adapter(adapter)))
+        logger.info("LoRA adapter %s unloaded", obj.lora_name)
+        return lora_answer()
+
+    def adapter_of(name: Optional[str]) -> Optional[str]:
+        """The engine's adapter id for a request's `lora_path` (None: the base model); 400 for a name not served."""
+        if name is None:
+            return None
+        if engine.lora is None:
+            raise BadRequest(f"lora_path: the LoRA adapter {name!r} was requested, but LoRA is not enabled; start the "
+                             "server with --enable-lora and load adapters with /load_lora_adapter")
+        if name not in loras:
+            state = "was unloaded" if name in lora_names_unloaded else "is not loaded"
+            raise BadRequest(f"lora_path: the LoRA adapter {name!r} {state} (loaded: {', '.join(loras) or 'none'}); "
+                             "load it with /load_lora_adapter")
+        return loras[name][0]
+
     def tokenize(text: str) -> list[int]:
         return engine.tokenizer(text)["input_ids"]
 
-    async def run(tasks: list[GenerationTask], to_score: list[list[int]], detailed: list, request: Request):
-        """Queue `tasks` (sampling) and `to_score` (prompt log-probs), then `detailed` (top / chosen log-probs of
-        prompts, `(prompt, top_n, ids)`); await them all. Returns the scores and the detailed lists."""
+    async def run(tasks: list[GenerationTask], to_score: list[list[int]], detailed: list, request: Request,
+                  adapters: Optional[list[Optional[str]]] = None):
+        """Queue `tasks` (sampling) and `to_score` (prompt log-probs, each with its LoRA adapter from `adapters`),
+        then `detailed` (top / chosen log-probs of prompts, `(prompt, top_n, ids, adapter)`); await them all. Returns
+        the scores and the detailed lists."""
         in_flight.update(tasks)
         try:
             gen_future = asyncio.wrap_future(batcher.generate(tasks)) if tasks else None
-            score_future = asyncio.wrap_future(batcher.score(to_score)) if to_score else None
+            score_future = asyncio.wrap_future(batcher.score(to_score, adapters)) if to_score else None
             detail_future = asyncio.wrap_future(batcher.call_exclusive(
-                lambda: [engine.score_top(p, top, ids) for p, top, ids in detailed])) if detailed else None
+                lambda: [engine.score_top(*entry) for entry in detailed])) if detailed else None
             _handed_in(request)
             scored = await score_future if score_future is not None else []
             details = await detail_future if detail_future is not None else []
@@ -407,20 +476,23 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             tops = obj.per_prompt(obj.top_logprobs_num, "top_logprobs_num", count, 0)
             token_ids = obj.per_prompt(obj.token_ids_logprob, "token_ids_logprob", count, None)
             rids = obj.per_prompt(obj.rid, "rid", count, None)
+            loras_asked = obj.per_prompt(obj.lora_path, "lora_path", count, None)
         except ValueError as err:
             raise BadRequest(str(err)) from err
+        adapters = [adapter_of(name) for name in loras_asked]
         check(prompts, sampling, starts, GENERATE_FIELDS)
         check_token_ids(token_ids, "token_ids_logprob", engine.vocab_size)
         asks = [GenerateAsk(w, top, ids, obj.return_text_in_logprobs) for w, top, ids in zip(want, tops, token_ids)]
         tasks, outputs_of = [], []
-        for prompt, params, ask, rid in zip(prompts, sampling, asks, rids):
+        for prompt, params, ask, rid, adapter in zip(prompts, sampling, asks, rids, adapters):
             for copy in range(params.n):
                 tasks.append(GenerationTask(prompt=list(prompt), params=params, seed=seed_of(params.sampling_seed),
-                                            top_logprobs_num=top_of(ask), token_ids_logprob=ids_of(ask)))
+                                            adapter=adapter, top_logprobs_num=top_of(ask), token_ids_logprob=ids_of(ask)))
                 outputs_of.append((ask, rid if rid is not None and params.n == 1 else request_id()))
         wants_input = [w and start >= 0 for w, start in zip(want, starts)]
         to_score = [p for p, w in zip(prompts, wants_input) if w]
-        detailed = [(p, top_of(a), ids_of(a)) for p, a, w in zip(prompts, asks, wants_input)
+        score_adapters = [adapter for adapter, w in zip(adapters, wants_input) if w]
+        detailed = [(p, top_of(a), ids_of(a), adapter) for p, a, w, adapter in zip(prompts, asks, wants_input, adapters)
                     if w and (top_of(a) or ids_of(a) is not None)]
         many = obj.is_batch or len(tasks) > 1
 
@@ -431,7 +503,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
         if obj.stream:
             async def chunks():
-                per_task = task_inputs(*(await run([], to_score, detailed, request) if to_score else ([], [])))
+                per_task = task_inputs(*(await run([], to_score, detailed, request, score_adapters) if to_score else ([], [])))
                 sent = [0] * len(tasks)
                 async for index, n in stream_tasks(tasks, request):
                     ask, rid = outputs_of[index]
@@ -445,7 +517,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
             return StreamingResponse(ending_with_error_event(chunks()), media_type="text/event-stream")
 
-        per_task = task_inputs(*await run(tasks, to_score, detailed, request))
+        per_task = task_inputs(*await run(tasks, to_score, detailed, request, score_adapters))
         outputs = [generate_output(engine, task, ask, inp, rid) for task, (ask, rid), inp in zip(tasks, outputs_of, per_task)]
         # orjson straight to bytes: FastAPI's own path would validate and serialise thousands of entries again.
         return Response(orjson.dumps(outputs if many else outputs[0]), media_type="application/json")
@@ -643,17 +715,17 @@ def ids_of(ask: GenerateAsk) -> Optional[list[int]]:
     return ask.token_ids_logprob if ask.return_logprob else None
 
 
-def _allowed(model_path: str, weight_dirs: Optional[list[str]]) -> str:
-    """`model_path` if it lies below one of `weight_dirs` (after resolving links; None allows any), else
-    `WeightFileError`: a client with the API key still cannot make the server read other paths."""
-    if "\0" in model_path:
-        raise WeightFileError(f"model_path: {model_path!r} contains a NUL character")
+def _allowed(path: str, weight_dirs: Optional[list[str]], key: str = "model_path") -> str:
+    """`path` (the request's `key`) if it lies below one of `weight_dirs` (after resolving links; None allows any),
+    else `WeightFileError`: a client with the API key still cannot make the server read other paths."""
+    if "\0" in path:
+        raise WeightFileError(f"{key}: {path!r} contains a NUL character")
     if weight_dirs is not None:
-        real = os.path.realpath(model_path)
+        real = os.path.realpath(path)
         if not any(os.path.commonpath([real, d]) == d for d in weight_dirs):
-            raise WeightFileError(f"model_path: {model_path} is not below a directory this server may read weights from "
+            raise WeightFileError(f"{key}: {path} is not below a directory this server may read weights from "
                                   f"(--weight-dirs {' '.join(weight_dirs)})")
-    return model_path
+    return path
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -682,8 +754,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="most tokens per request: the sum over its prompts of n x (prompt + max_new_tokens)")
     parser.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes, help="largest request body")
     parser.add_argument("--weight-dirs", nargs="+", default=None, metavar="DIR",
-                        help="/update_weights_from_disk reads only below these directories (default: anywhere); "
-                             "launchers pass the run's sync_dir")
+                        help="/update_weights_from_disk and /load_lora_adapter read only below these directories "
+                             "(default: anywhere); launchers pass the run's sync_dir")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="as SGLang: serve LoRA adapters loaded with /load_lora_adapter (needs peft), named by "
+                             "lora_path on /generate; a request without one uses the base model")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="the largest rank of an adapter (with --enable-lora)")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None, choices=[*SGLANG_LORA_TARGET_MODULES, LORA_TARGET_ALL],
+                        metavar="MODULE", help="the modules adapters may adapt, by the last part of their name, or "
+                                               "'all' (with --enable-lora; SGLang's names)")
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="as SGLang: each /generate stream chunk carries only the new tokens and text (default: all so far)")
     parser.add_argument("--openai-text-only", action="store_true",
@@ -704,7 +783,38 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             parser.error(f"--config {args.config}: unknown flag(s) {', '.join(unknown)}")
         parser.set_defaults(**values)
         args = parser.parse_args(argv)
+    _check_lora_args(parser, args)
     return args
+
+
+def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """SGLang's rule (arg_groups/lora_hook.py ~152): without adapters at start-up, --enable-lora needs the rank and
+    the modules adapters will have; and peft, here."""
+    if not args.enable_lora:
+        given = [flag for flag, value in (("--max-lora-rank", args.max_lora_rank),
+                                          ("--lora-target-modules", args.lora_target_modules)) if value is not None]
+        if given:
+            parser.error(f"{' and '.join(given)} take effect only with --enable-lora")
+        return
+    if args.max_lora_rank is None or not args.lora_target_modules:
+        parser.error("--enable-lora needs both --max-lora-rank and --lora-target-modules (as SGLang when it starts "
+                     "without --lora-paths), e.g. --max-lora-rank 16 --lora-target-modules all")
+    if args.max_lora_rank < 1:
+        parser.error(f"--max-lora-rank {args.max_lora_rank}: must be at least 1")
+    if LORA_TARGET_ALL in args.lora_target_modules and len(args.lora_target_modules) > 1:
+        parser.error("--lora-target-modules: 'all' must be the only module named (as SGLang)")
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        parser.error("--enable-lora needs peft, which is not installed: pip install peft")
+
+
+def lora_settings(args: argparse.Namespace) -> Optional[LoraSettings]:
+    """The engines' LoRA settings from the flags (None: LoRA not enabled)."""
+    if not args.enable_lora:
+        return None
+    modules = None if args.lora_target_modules == [LORA_TARGET_ALL] else frozenset(args.lora_target_modules)
+    return LoraSettings(max_rank=args.max_lora_rank, target_modules=modules)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -721,7 +831,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         paths[REF_PREFIX] = args.ref_model_path or args.model_path
     slots = {}
     for prefix, path in paths.items():
-        engine = ModelEngine(path, dtype=args.dtype, device=args.device)
+        engine = ModelEngine(path, dtype=args.dtype, device=args.device, lora=lora_settings(args))
         slots[prefix] = (engine, Batcher(engine, max_wait_ms=args.max_batch_wait_ms, max_batch_tokens=args.max_batch_tokens))
         logger.info("slot %s: %s (%s, %s)", prefix or "/", path, engine.dtype, engine.device)
     limits = Limits(max_n=args.max_n, max_batch_items=args.max_batch_items, max_request_tokens=args.max_request_tokens,

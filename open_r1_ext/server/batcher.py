@@ -17,7 +17,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -79,8 +79,9 @@ class Batcher:
         self._queue.put(_Work(kind, payload, future))
         return future
 
-    def score(self, sequences: list[list[int]]) -> Future:
-        return self.submit("score", sequences)
+    def score(self, sequences: list[list[int]], adapters: Optional[list[Optional[str]]] = None) -> Future:
+        """Log-probs of `sequences`, each with its LoRA adapter from `adapters` (default: the base model)."""
+        return self.submit("score", (sequences, adapters or [None] * len(sequences)))
 
     def generate(self, tasks: list[GenerationTask]) -> Future:
         return self.submit("generate", tasks)
@@ -179,15 +180,16 @@ class Batcher:
             w.future.set_result(result)
 
     def _score_all(self, works: list[_Work]) -> list[list[list[float]]]:
-        sequences = [seq for w in works for seq in w.payload]
+        sequences = [seq for w in works for seq in w.payload[0]]
+        adapters = [adapter for w in works for adapter in w.payload[1]]
         self.sequences_scored += len(sequences)
         scored: list[list[float]] = []
-        for chunk in _chunks_by_tokens(sequences, self.max_batch_tokens):
-            scored.extend(self.engine.score(chunk))
+        for start, stop in _spans_by_tokens(sequences, self.max_batch_tokens):
+            scored.extend(self.engine.score(sequences[start:stop], adapters[start:stop]))
         results, start = [], 0
         for w in works:
-            results.append(scored[start : start + len(w.payload)])
-            start += len(w.payload)
+            results.append(scored[start : start + len(w.payload[0])])
+            start += len(w.payload[0])
         return results
 
     def _generate_all(self, works: list[_Work]) -> list[list[GenerationTask]]:
@@ -197,16 +199,15 @@ class Batcher:
         return [w.payload for w in works]
 
 
-def _chunks_by_tokens(sequences: list[list[int]], budget: int):
-    """Consecutive groups whose padded size (rows x longest) stays within `budget` (at least one row each)."""
-    chunk: list[list[int]] = []
-    longest = 0
-    for seq in sequences:
+def _spans_by_tokens(sequences: list[list[int]], budget: int):
+    """Consecutive `(start, stop)` groups whose padded size (rows x longest) stays within `budget` (at least one row
+    each)."""
+    start, longest = 0, 0
+    for i, seq in enumerate(sequences):
         new_longest = max(longest, len(seq))
-        if chunk and new_longest * (len(chunk) + 1) > budget:
-            yield chunk
-            chunk, new_longest = [], len(seq)
-        chunk.append(seq)
+        if i > start and new_longest * (i - start + 1) > budget:
+            yield start, i
+            start, new_longest = i, len(seq)
         longest = new_longest
-    if chunk:
-        yield chunk
+    if start < len(sequences):
+        yield start, len(sequences)

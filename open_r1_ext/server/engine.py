@@ -1,15 +1,18 @@
-"""The built-in server's model work: batched log-prob scoring, batched sampling, and weight reloads.
+"""The built-in server's model work: batched log-prob scoring, batched sampling, weight reloads and LoRA adapters.
 
-A `ModelEngine` owns one transformers causal LM on CPU or one GPU. It knows nothing of HTTP; the batcher
-(`open_r1_ext.server.batcher`) calls it from a single worker thread, so weights never change under a forward.
+A `ModelEngine` owns one transformers causal LM on CPU or one GPU, and with `--enable-lora` the PEFT LoRA adapters
+loaded beside it (peft's multi-adapter model: each row of a batch runs with its own adapter, or none). It knows nothing
+of HTTP; the batcher (`open_r1_ext.server.batcher`) calls it from a single worker thread, so weights never change
+under a forward.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,18 @@ logger = logging.getLogger(__name__)
 # A stop string is looked for in the text of the last this many output tokens (SGLang keeps a window of text, too).
 STOP_STRING_TAIL_TOKENS = 32
 DTYPES = {name: None if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}
+# A PEFT adapter directory (what `PeftModel.save_pretrained` writes); only safetensors weights are read.
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+BASE_ROW = "__base__"  # peft's name for a row of a mixed batch that runs without an adapter
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What adapters the server takes (SGLang's `--max-lora-rank`, `--lora-target-modules`): rank at most
+    `max_rank`, adapting only modules named in `target_modules` (the last part of a module's name; None: any)."""
+
+    max_rank: int
+    target_modules: Optional[frozenset[str]] = None
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the server keeps the tasks in flight in a set
@@ -31,11 +46,13 @@ class GenerationTask:
     `top_logprobs_num` / `token_ids_logprob` ask for each step's most likely tokens / the given tokens with their
     log-probs (`output_top_logprobs`, `output_token_ids_logprobs`: `(logprob, id)` pairs). `on_token`, if set, is
     called on the worker thread after every sampled token (streaming). `abort()` stops it at the next step with
-    finish reason `abort`."""
+    finish reason `abort`. `adapter`: the id of the LoRA adapter it samples with (`ModelEngine.load_adapter`; None:
+    the base model)."""
 
     prompt: list[int]
     params: SamplingParams
     seed: int
+    adapter: Optional[str] = None
     top_logprobs_num: int = 0
     token_ids_logprob: Optional[list[int]] = None
     on_token: Optional[Callable[["GenerationTask"], None]] = None
@@ -51,9 +68,11 @@ class GenerationTask:
 
 
 class ModelEngine:
-    """A causal LM that scores and samples token ids, and reloads its weights from a directory."""
+    """A causal LM that scores and samples token ids, reloads its weights from a directory, and (with `lora`) serves
+    LoRA adapters loaded from directories beside its own weights."""
 
-    def __init__(self, model_path: str, dtype: str = "auto", device: Optional[str] = None):
+    def __init__(self, model_path: str, dtype: str = "auto", device: Optional[str] = None,
+                 lora: Optional[LoraSettings] = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(model_path)
@@ -72,15 +91,29 @@ class ModelEngine:
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.loaded_path = self.model_path
+        self.lora = lora
+        self.peft: Any = None  # the `PeftModel` around `model`, from the first adapter on (peft injects in place)
+        self.adapters: set[str] = set()  # ids of the adapters loaded
+        self._adapters_made = 0
 
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
     # ---------------------------------------------------------------- scoring
+    def _forward(self, adapters: Sequence[Optional[str]], **inputs: Any) -> Any:
+        """The model's forward, each row with its LoRA adapter (`adapters`, one id or None per row: the base model)."""
+        if not self.adapters:  # none loaded: peft's layers, if any are left, do nothing
+            return self.model(**inputs)
+        gone = sorted({a for a in adapters if a is not None} - self.adapters)
+        if gone:  # peft would run such a row on the base model without a word
+            raise ValueError(f"lora_path: the LoRA adapter ({', '.join(gone)}) was unloaded before this request ran")
+        return self.peft(**inputs, adapter_names=[BASE_ROW if a is None else a for a in adapters])
+
     @torch.inference_mode()
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """For each sequence, `log p(t_i | t_<i)` for i = 1..len-1, from one right-padded forward."""
+    def score(self, sequences: list[list[int]], adapters: Optional[Sequence[Optional[str]]] = None) -> list[list[float]]:
+        """For each sequence, `log p(t_i | t_<i)` for i = 1..len-1, from one right-padded forward (each sequence with
+        its adapter from `adapters`, default none)."""
         lengths = [len(s) for s in sequences]
         longest = max(lengths)
         pad = [self.pad_token_id]
@@ -88,16 +121,18 @@ class ModelEngine:
         ids = torch.tensor([s if n == longest else [*s, *pad * (longest - n)] for s, n in zip(sequences, lengths)], dtype=torch.long)
         mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]).long()
         ids, mask = ids.to(self.device), mask.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
+        logits = self._forward(adapters or [None] * len(sequences), input_ids=ids, attention_mask=mask,
+                               use_cache=False).logits[:, :-1].float()
         token_logprobs = _gather_logprobs(logits, ids[:, 1:]).tolist()
         return [row if n == longest else row[: n - 1] for row, n in zip(token_logprobs, lengths)]
 
     @torch.inference_mode()
-    def score_top(self, sequence: list[int], top_n: int, token_ids: Optional[list[int]]) -> tuple[list, list]:
+    def score_top(self, sequence: list[int], top_n: int, token_ids: Optional[list[int]],
+                  adapter: Optional[str] = None) -> tuple[list, list]:
         """For token i = 1..len-1 of `sequence`: its `top_n` most likely tokens and the `token_ids` given, each as
         `(logprob, id)` pairs of `log p(. | t_<i)` (SGLang's `input_top_logprobs` / `input_token_ids_logprobs`)."""
         ids = torch.tensor([sequence], dtype=torch.long, device=self.device)
-        logprobs = F.log_softmax(self.model(input_ids=ids, use_cache=False).logits[0, :-1].float(), dim=-1)
+        logprobs = F.log_softmax(self._forward([adapter], input_ids=ids, use_cache=False).logits[0, :-1].float(), dim=-1)
         tops: list = []
         if top_n:
             top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
@@ -134,11 +169,11 @@ class ModelEngine:
         cache = DynamicCache()
         step_input = ids
         max_steps = max(t.params.max_new_tokens for t in active)
+        adapters = [t.adapter for t in active]
         for _ in range(max_steps):
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1] :]
-            out = self.model(
-                input_ids=step_input, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True
-            )
+            out = self._forward(adapters, input_ids=step_input, attention_mask=mask, position_ids=position_ids,
+                                past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             next_ids = self._next_tokens(active, out.logits[:, -1].float(), generators)
             step_input = next_ids[:, None]
@@ -231,9 +266,9 @@ class ModelEngine:
         on a problem `WeightFileError` is raised and the old weights stay in service. With `mixup_alpha`,
         each parameter becomes `alpha * new + (1 - alpha) * old`.
         """
-        params = dict(self.model.named_parameters())
+        params = _own_names(self.model.named_parameters())
         tensors = read_weight_dir(Path(path))
-        tied = {name for name in self.model.state_dict() if name not in params}
+        tied = set(_own_names((name, None) for name in self.model.state_dict())) - set(params)
         unknown = sorted(set(tensors) - set(params) - tied)
         missing = sorted(set(params) - set(tensors))
         if unknown:
@@ -260,6 +295,95 @@ class ModelEngine:
         self.weight_version = weight_version if weight_version is not None else self.weight_version
         how = f"mixed with alpha={mixup_alpha}" if mixup_alpha not in (None, 1.0) else "loaded"
         return f"Succeeded to update model weights: {how} {len(params)} tensors from {path}."
+
+
+    # ------------------------------------------------------------ LoRA adapters
+    @torch.no_grad()  # not inference_mode: peft sets requires_grad on adapter weights when another one is removed
+    def load_adapter(self, path: str) -> str:
+        """Load the PEFT LoRA adapter directory `path` (`adapter_config.json` + `adapter_model.safetensors`) beside the
+        adapters already loaded; returns its id (for `GenerationTask.adapter`, `score`, `unload_adapter`). All or
+        nothing: an adapter this server cannot serve (rank above `--max-lora-rank`, a module outside
+        `--lora-target-modules`, tensors that fit no module or are not finite, ...) raises `WeightFileError` and
+        leaves no trace."""
+        from peft import LoraConfig, PeftModel
+
+        if self.lora is None:
+            raise WeightFileError("LoRA is not enabled: start the server with --enable-lora")
+        config = self._adapter_config(Path(path), LoraConfig)
+        adapter = f"adapter-{self._adapters_made}"
+        self._adapters_made += 1
+        if self.peft is None:
+            self.peft = PeftModel(self.model, config, adapter_name=adapter)
+        else:
+            self.peft.add_adapter(adapter, config)
+        try:
+            result = self.peft.load_adapter(str(path), adapter_name=adapter, torch_device=str(self.device))
+            self._check_adapter(Path(path), adapter, result.unexpected_keys)
+        except WeightFileError:
+            self.peft.delete_adapter(adapter)
+            raise
+        except (RuntimeError, ValueError, OSError) as err:  # e.g. a tensor of another shape than its module's
+            self.peft.delete_adapter(adapter)
+            raise WeightFileError(f"{path}: {err}") from err
+        finally:
+            self.model.eval()
+        self.peft.set_adapter(adapter, inference_mode=True)  # peft needs one active; each row names its own anyway
+        self.adapters.add(adapter)
+        return adapter
+
+    def unload_adapter(self, adapter: str) -> None:
+        """Remove the adapter `adapter` (an id `load_adapter` returned) and its weights."""
+        self.adapters.discard(adapter)
+        self.peft.delete_adapter(adapter)
+
+    def _adapter_config(self, path: Path, config_class):
+        """The adapter's `LoraConfig`, once its files are there and it is a LoRA this server can serve."""
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            if not (path / name).is_file():
+                raise WeightFileError(f"{path}: no {name} (a PEFT adapter directory holds {ADAPTER_CONFIG} and "
+                                      f"{ADAPTER_WEIGHTS}, as PeftModel.save_pretrained writes them)")
+        try:
+            kind = json.loads((path / ADAPTER_CONFIG).read_text()).get("peft_type")
+            config = config_class.from_pretrained(str(path))
+        except (ValueError, TypeError, AttributeError) as err:
+            raise WeightFileError(f"{path / ADAPTER_CONFIG}: not a readable PEFT config: {err}") from err
+        if kind != "LORA":
+            raise WeightFileError(f"{path / ADAPTER_CONFIG}: peft_type {kind!r}; the server takes LoRA adapters only")
+        if config.use_dora:
+            raise WeightFileError(f"{path / ADAPTER_CONFIG}: a DoRA adapter (use_dora); the server takes plain LoRA")
+        if config.modules_to_save:
+            raise WeightFileError(f"{path / ADAPTER_CONFIG}: modules_to_save {config.modules_to_save}: whole modules "
+                                  "trained beside the adapter are not served; train the adapter without them")
+        rank = max([config.r, *(config.rank_pattern or {}).values()])
+        if rank > self.lora.max_rank:
+            raise WeightFileError(f"{path / ADAPTER_CONFIG}: rank {rank} is above the server's --max-lora-rank "
+                                  f"{self.lora.max_rank}; start the server with --max-lora-rank {rank} or more")
+        return config
+
+    def _check_adapter(self, path: Path, adapter: str, unexpected: Sequence[str]) -> None:
+        """After loading: every tensor of the file went into a module, only modules `--lora-target-modules` names are
+        adapted, and every weight is finite."""
+        from peft.tuners.lora import LoraLayer
+
+        if unexpected:
+            raise WeightFileError(f"{path / ADAPTER_WEIGHTS}: tensors that fit no module of the served model: "
+                                  f"{', '.join(sorted(unexpected)[:5])}")
+        adapted = {name.rsplit(".", 1)[-1] for name, module in self.model.named_modules()
+                   if isinstance(module, LoraLayer) and (adapter in module.lora_A or adapter in module.lora_embedding_A)}
+        allowed = self.lora.target_modules
+        outside = sorted(adapted - allowed) if allowed is not None else []
+        if outside:
+            raise WeightFileError(f"{path}: adapts {', '.join(outside)}, outside the server's --lora-target-modules "
+                                  f"{' '.join(sorted(allowed))}; start the server with them included (or 'all')")
+        for name, param in self.model.named_parameters():
+            if f".{adapter}." in f"{name}." and ".lora_" in name and not _all_finite(param):
+                raise WeightFileError(f"{path / ADAPTER_WEIGHTS}: {name.replace(f'.{adapter}', '')} has NaN or Inf values")
+
+
+def _own_names(named):
+    """`(name, value)` pairs of the model by the names transformers gives them: peft's LoRA layers hold a module's
+    own weights under `base_layer` and add the adapters' (`lora_*`), which are left out."""
+    return {name.replace(".base_layer.", "."): value for name, value in named if ".lora_" not in name}
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:

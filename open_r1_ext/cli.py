@@ -5,6 +5,7 @@
     open-r1-ext new-recipe --from RECIPE --model ORG/NAME OUT
     open-r1-ext serve --model-path DIR [--port P ...]        (the built-in server)
     open-r1-ext launch RECIPE [--set ...] [--executor slurm|local] [--dry-run]
+    open-r1-ext add-server RUN_DIR [--role server|ref-server] [--resources-index I]
     open-r1-ext status RUN_DIR [--json] [--watch SECONDS]
     open-r1-ext plot RUN_DIR [-o FILE.png]
 
@@ -113,6 +114,21 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_add_server(args: argparse.Namespace) -> int:
+    """One more server replica for a running run (an sbatch job that joins the trainer's pool once healthy)."""
+    from open_r1_ext.launch.jobs import LaunchError, add_server
+    from open_r1_ext.launch.recipe import RecipeError
+    from open_r1_ext.launch.slurm_plan import PlanError
+
+    try:
+        ref = add_server(Path(args.run_dir), args.role, args.resources_index, echo=print)
+    except (RecipeError, PlanError, LaunchError) as err:
+        print(f"{args.run_dir}: {err}\nnothing submitted", file=sys.stderr)
+        return 2
+    print(f"{ref} joins the pool of {args.run_dir} once healthy; the run's end cancels it (log: {ref.log})")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from open_r1_ext.launch import run_status
 
@@ -153,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="slurm: sbatch jobs; local: the same jobs as processes on this machine")
     launch.add_argument("--dry-run", action="store_true", help="print both jobs' parameters and commands; submit nothing")
     launch.set_defaults(func=cmd_launch)
+
+    add = sub.add_parser("add-server", help="submit one more server replica for a running run (sbatch); it joins the "
+                                            "trainer's pool once healthy")
+    add.add_argument("run_dir", help="the run directory (the recipe's trainer.output_dir)")
+    add.add_argument("--role", choices=("server", "ref-server"), default="server",
+                     help="server: generation (default); ref-server: the reference's own servers")
+    add.add_argument("--resources-index", type=int, default=0, metavar="I",
+                     help="which entry of the spec's resources list the job gets (default 0)")
+    add.set_defaults(func=cmd_add_server)
 
     status = sub.add_parser("status", help="a run's jobs, servers, progress, last sync and events, from its run directory")
     status.add_argument("run_dir", help="the run directory (the recipe's trainer.output_dir)")

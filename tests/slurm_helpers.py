@@ -89,13 +89,18 @@ def assert_trained(run: TinyRun, trainer_log: Path, *server_logs: Path) -> None:
     assert entries and all("weight_version" in e for e in entries)
 
 
-def fake_slurm_commands(bin_dir: Path, squeue_lines: str = "", squeue_error: str = "") -> Path:
-    """`squeue` that prints `squeue_lines` (`ID|STATE|RESTARTS`, one a job), or fails with `squeue_error`, and
-    `scancel` that does nothing; both append their arguments to the returned file. Put `bin_dir` first on PATH."""
+def fake_slurm_commands(bin_dir: Path, squeue_lines: str = "", squeue_error: str = "", sbatch_ok: int = 99) -> Path:
+    """`squeue` that prints `squeue_lines` (`ID|STATE|RESTARTS`, one a job), or fails with `squeue_error`, `scancel`
+    that does nothing, and `sbatch` that answers job ids 100, 101, ... for its first `sbatch_ok` calls and then fails;
+    each appends its arguments to the returned file. Put `bin_dir` first on PATH."""
     calls = bin_dir / "calls.log"
     bin_dir.mkdir(parents=True, exist_ok=True)
     squeue = f"echo {squeue_error!r} >&2; exit 1" if squeue_error else f"printf '%b' {squeue_lines!r}"
-    for name, body in (("squeue", squeue), ("scancel", "true")):
+    counter = bin_dir / "next_id"
+    sbatch = (f'n=$(cat {counter} 2>/dev/null || echo 100); echo $((n + 1)) > {counter}\n'
+              f'if [ "$n" -ge {100 + sbatch_ok} ]; then echo "sbatch: error: job submit limit reached" >&2; exit 1; fi\n'
+              'echo "$n"')
+    for name, body in (("squeue", squeue), ("scancel", "true"), ("sbatch", sbatch)):
         script = bin_dir / name
         script.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{body}\n')
         script.chmod(0o755)

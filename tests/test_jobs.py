@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from open_r1_ext.launch import jobs
-from open_r1_ext.launch.jobs import SUBMITIT, JobContext, JobRef, JobWatch, LaunchError, end_run, run_trainer_job
+from open_r1_ext.launch.jobs import (SUBMITIT, JobContext, JobRef, JobWatch, LaunchError, end_run, register_jobs,
+                                     run_trainer_job)
 from open_r1_ext.launch.recipe import load_recipe
 from open_r1_ext.launch.slurm_plan import POLL_S, TRAINER, SlurmPlan
 from tests.slurm_helpers import RECIPE, REPO, fake_slurm_commands
@@ -80,20 +81,25 @@ def test_a_busy_controller_counts_as_alive(fake_slurm):
     assert JobWatch([server]).state(server) == "UNKNOWN" and JobWatch([server]).alive(server)
 
 
-@pytest.mark.parametrize("server_state, cancelled", [("RUNNING", True), ("CANCELLED", False)])
-def test_the_trainer_job_ends_the_run_and_cancels_the_live_servers(fake_slurm, plan, server_state, cancelled):
-    calls = fake_slurm(f"77|COMPLETING|0\n5|{server_state}|0\n")
+@pytest.mark.parametrize("server_state, cancelled", [("RUNNING", "5 6"), ("CANCELLED", "6")])
+def test_the_trainer_job_ends_the_run_and_cancels_every_live_replica(fake_slurm, plan, server_state, cancelled):
+    """Replica 6 was added to jobs.env during the run (add-server): the trainer job never watched it, yet cancels it."""
+    calls = fake_slurm(f"77|COMPLETING|0\n5|{server_state}|0\n6|RUNNING|0\n")
     ctx = JobContext("77", 0, ("node-1",), restart_count=0)
     me, server = JobRef(TRAINER, "77", log="/logs/trainer-77.err"), JobRef("server", "5")
-    end_run(plan, ctx, me, 1, [server], {"server": "http://node-2:30000"}, JobWatch([me, server]), echo=lambda m: None)
+    register_jobs(plan.files, [server, me], plan, "sbatch")
+    register_jobs(plan.files, [JobRef("server", "6"), server])  # 5 again: listed once
+    assert plan.files.jobs.read_text().splitlines()[:4] == ["SERVER_JOB=5,6", "TRAINER_JOB=77", "EXECUTOR=slurm",
+                                                            "LAUNCHER=sbatch"]
+    end_run(plan, ctx, me, 1, {"5": "http://node-2:30000"}, JobWatch([me, server]), echo=lambda m: None)
     status = (plan.files.status).read_text()
-    if cancelled:
+    assert f"trainer job 77: cancelled server job(s) {cancelled}" in status
+    assert calls.read_text().splitlines()[-1] == f"scancel {cancelled}"
+    if server_state == "RUNNING":
         assert "trainer job 77: failed (exit 1); see /logs/trainer-77.err" in status
-        assert "trainer job 77: cancelled server job(s) 5" in status and "scancel 5" in calls.read_text()
     else:
         assert ("trainer job 77: failed (exit 1); server job 5 (http://node-2:30000) is no longer running (CANCELLED)"
                 in status)
-        assert "scancel" not in calls.read_text() and "cancelled" not in status.replace("(CANCELLED)", "")
 
 
 def test_a_requeued_trainer_stops_training_and_keeps_the_servers(fake_slurm, plan, monkeypatch, signal_handlers):

@@ -8,6 +8,7 @@ cancels its jobs; `--dry-run` and an invalid recipe submit nothing; a preempted 
 from __future__ import annotations
 
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -79,17 +80,24 @@ def test_interrupted_launch_cancels_its_jobs(slurm_cluster, tiny_run):
     tiny_run.wait_for_no_jobs()
 
 
-def test_dry_run_prints_both_jobs_and_submits_nothing(slurm_cluster, tiny_run):
-    result = run_script(sys.executable, "-m", "open_r1_ext.cli", "launch", RECIPE, *tiny_run.set_args,
+def test_dry_run_prints_every_job_and_submits_nothing(slurm_cluster, tiny_run):
+    """Two generation replicas on two partitions (a resources list), a reference server, the trainer."""
+    replicas = ["--set", "servers.generation.replicas=2", "--set", "servers.generation.resources=[{gpus_per_node: 0}, "
+                "{gpus_per_node: 0, cpus_per_task: 2, partition: cpu-big}]"]
+    result = run_script(sys.executable, "-m", "open_r1_ext.cli", "launch", RECIPE, *tiny_run.set_args, *replicas,
                         "--set", "servers.reference={resources: {gpus_per_node: 0}}", "--dry-run")
     assert result.returncode == 0, result.stderr
-    out, name = result.stdout, tiny_run.job_name
-    for role in ("server", "ref-server", "trainer"):
-        assert f"{role} job: 1 node(s)" in out and f"sbatch --job-name={name}-{role} --time=00:30:00" in out
-        assert f"submitit parameters of the {role} job: {{'name': '{name}-{role}'" in out
+    out, name, run_dir = result.stdout, tiny_run.job_name, tiny_run.run_dir
+    for title, role, partition in (("server job 1/2", "server", "debug"), ("server job 2/2", "server", "cpu-big"),
+                                   ("ref-server job", "ref-server", "debug"), ("trainer job", "trainer", "debug")):
+        assert f"\n{title}: 1 node(s)" in out and f"sbatch --job-name={name}-{role} --time=00:30:00 " in out
+        assert f"submitit parameters of the {title}: {{'name': '{name}-{role}'" in out
+        assert re.search(rf"{title}: .*\n  sbatch [^\n]* --partition={partition} ", out), out
+    assert f"advertised in {run_dir}/replicas/server/<job id>.addr once healthy; the trainer starts once 1 of 2 are" in out
+    assert "'slurm_partition': 'cpu-big', 'cpus_per_task': 2" in out
     assert "-m open_r1_ext.server --model-path" in out
     assert "accelerate.commands.launch --cpu --dynamo_backend no --num_machines 1 --num_processes 1" in out
-    assert '--server-url "$SERVER_URL" --ref-url "$REF_SERVER_URL"' in out
+    assert f"--server-dir {run_dir}/replicas/server --ref-dir {run_dir}/replicas/ref-server" in out
     assert not tiny_run.jobs() and not tiny_run.run_dir.exists()
 
 

@@ -39,7 +39,8 @@ def test_status_and_plot_import_no_trainer_package(tmp_path):
     """`open-r1-ext status` and `plot` run on a login node: reading a run with a job, a server address, a key and
     logged steps (every lazy import on their way) brings in no TRL, DeepSpeed, accelerate or datasets."""
     (tmp_path / "jobs.env").write_text("SERVER_JOB=999999999\nEXECUTOR=local\n")
-    (tmp_path / "server.addr").write_text("127.0.0.1:9\n")
+    (tmp_path / "replicas" / "server").mkdir(parents=True)
+    (tmp_path / "replicas" / "server" / "999999999.addr").write_text("127.0.0.1:9\n")
     (tmp_path / "api_key.yaml").write_text('api-key: "k"\n')
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "max_steps": 2, "time": 1.0, "reward": 0.5}\n'
                                             '{"step": 2, "max_steps": 2, "time": 2.0, "reward": 0.7}\n')

@@ -42,7 +42,7 @@ def test_sbatch_options_come_from_the_recipe(tiny_model):
     assert params["slurm_additional_parameters"] == {"reservation": "r1", "requeue": True}
 
 
-def test_sglang_servers_span_nodes_and_the_trainer_gets_both_urls(tiny_model):
+def test_sglang_servers_span_nodes_and_the_trainer_gets_both_address_dirs(tiny_model):
     sglang = "engine: sglang, tp_size: 16, mem_fraction_static: 0.8, dtype: float32, resources: {nodes: 2, gpus_per_node: 8}"
     plan = tiny_plan(tiny_model, f"servers.generation={{{sglang}}}", f"servers.reference={{{sglang}, extra_args: [--enable-metrics]}}",
                      "slurm.trainer={nodes: 2, gpus_per_node: 8}", "trainer.per_device_train_batch_size=4")
@@ -52,11 +52,11 @@ def test_sglang_servers_span_nodes_and_the_trainer_gets_both_urls(tiny_model):
     assert serve.endswith("-m sglang.launch_server --model-path " + str(tiny_model) + " --host 0.0.0.0 --port 30001 "
                           "--tp-size 16 --dp-size 1 --dtype float32 --mem-fraction-static 0.8 --nnodes 2 --node-rank \"$SLURM_NODEID\" "
                           f"--dist-init-addr \"$HEAD_NODE\":30101 --config {plan.files.run_dir}/api_key.yaml --enable-metrics")
-    urls = {"server": "http://a:30000", "ref-server": "http://b:30001"}
-    train = plan.trainer_command(1, "node-7", urls)
+    train = plan.trainer_command(1, "node-7")
     assert train[3:16] == ["--multi_gpu", "--dynamo_backend", "no", "--num_machines", 2, "--num_processes", 16,
                            "--machine_rank", 1, "--main_process_ip", "node-7", "--main_process_port", 29500]
-    assert train[-4:] == ["--server-url", "http://a:30000", "--ref-url", "http://b:30001"]
+    run_dir = plan.files.run_dir
+    assert train[-4:] == ["--server-dir", f"{run_dir}/replicas/server", "--ref-dir", f"{run_dir}/replicas/ref-server"]
 
 
 def test_each_node_runs_its_own_command_from_the_slurm_environment(tiny_model):
@@ -67,12 +67,12 @@ def test_each_node_runs_its_own_command_from_the_slurm_environment(tiny_model):
     env = {"SLURM_JOB_ID": "42", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[3-4,7]", "SLURM_RESTART_COUNT": "2"}
     ctx = JobContext.from_slurm_env(env)
     assert (ctx.job_id, ctx.node_rank, ctx.nodes, ctx.head_node, ctx.restart_count) == ("42", 1, ("gpu3", "gpu4", "gpu7"), "gpu3", 2)
-    serve = node_command(plan, "ref-server", ctx, {})
+    serve = node_command(plan, "ref-server", ctx)
     assert serve[serve.index("--node-rank") + 1] == "1" and serve[serve.index("--dist-init-addr") + 1] == "gpu3:30101"
     assert serve[serve.index("--config") + 1] == "/runs/with space/api_key.yaml" and "it's $ecret" not in serve
-    train = node_command(plan, "trainer", ctx, {"server": "http://gpu9:30000", "ref-server": "http://gpu9:30001"})
+    train = node_command(plan, "trainer", ctx)
     assert train[train.index("--machine_rank") + 1] == "1" and train[train.index("--main_process_ip") + 1] == "gpu3"
-    assert train[-4:] == ["--server-url", "http://gpu9:30000", "--ref-url", "http://gpu9:30001"]
+    assert train[-4:] == ["--server-dir", "/runs/with space/replicas/server", "--ref-dir", "/runs/with space/replicas/ref-server"]
     assert plan.sbatch_args("server")[-2] == "--error=/runs/with space/logs/server-%j.err"
 
 
@@ -112,7 +112,7 @@ def test_grpo_slurm_runs_server_and_trainer_and_leaves_no_job(slurm_cluster, tin
     status = tiny_run.status()
     assert f"server job {server}: healthy at http://" in status
     assert f"trainer job {trainer}: succeeded" in status and f"cancelled server job(s) {server}" in status
-    assert not (tiny_run.run_dir / "server.addr").exists()  # withdrawn when the server stopped
+    assert not (tiny_run.run_dir / "replicas" / "server" / f"{server}.addr").exists()  # withdrawn when the server stopped
 
 
 def start_long_run(run) -> tuple[str, str]:

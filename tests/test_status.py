@@ -57,7 +57,8 @@ def test_status_of_a_run_under_sbatch_with_nothing_activated(slurm_cluster, tiny
     assert [(j["role"], j["job_id"], j["state"]) for j in first["jobs"]] == [("server", server, "RUNNING"),
                                                                          ("trainer", trainer, "RUNNING")]
     (srv,) = first["servers"]
-    assert srv["role"] == "server" and srv["healthy"] and srv["url"] == f"http://{(run_dir / 'server.addr').read_text().strip()}"
+    assert srv["role"] == "server" and srv["job_id"] == server and srv["healthy"]
+    assert srv["url"] == f"http://{(run_dir / 'replicas' / 'server' / f'{server}.addr').read_text().strip()}"
     assert re.fullmatch(r"\d+", srv["weight_version"]) and int(srv["weight_version"]) >= 1
     progress = first["trainer"]
     assert progress["max_steps"] == 500 and not progress["finished"] and progress["steps_per_s"] > 0
@@ -72,7 +73,7 @@ def test_status_of_a_run_under_sbatch_with_nothing_activated(slurm_cluster, tiny
     # the server killed outright (no clean-up: its address file stays): unhealthy, the URL still named
     subprocess.run(["scancel", "--signal=KILL", "--full", server], check=True)
     text = wait_until(lambda: "NOT HEALTHY" in (out := status(run_dir).stdout) and out, 60, "the server to show unhealthy")
-    assert f"server    server {srv['url']}: NOT HEALTHY" in text and f"trainer {trainer}" in text
+    assert f"server    server {server} {srv['url']}: NOT HEALTHY" in text and f"trainer {trainer}" in text
     down = status_json(run_dir)["servers"][0]
     assert not down["healthy"] and down["url"] == srv["url"] and down["weight_version"] is None and "/health" in down["error"]
 

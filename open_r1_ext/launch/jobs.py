@@ -2,25 +2,31 @@
 
 `slurm/*.slurm` exec `python -m open_r1_ext.launch.jobs submit|server|trainer RECIPE ...` (a `JobContext` from the
 SLURM environment); the submitit tasks (`submitit_launcher.py`) call `run_server_job` / `run_trainer_job` with one
-from `submitit.JobEnvironment()`. Jobs meet through the run directory's files (`RunFiles`): jobs.env, <role>.addr.
+from `submitit.JobEnvironment()`. Jobs meet through the run directory's files (`RunFiles`): jobs.env, and each
+server replica's `replicas/<role>/<job id>.addr`; `add_server` adds a replica to a running run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
-from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, SUBMITIT, TRAINER, RunFiles, SlurmPlan,
-                                           argv, role_var)
-from open_r1_ext.launch.local_server import die_with_parent
+from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, SERVER_ROLES, SUBMITIT, TRAINER,
+                                           RunFiles, SlurmPlan, argv, role_var)
+from open_r1_ext.launch.local_server import die_with_parent, free_port
 from open_r1_ext.launch.run_key import write_run_key
 from open_r1_ext.sglang_client import SGLangClient
 
@@ -33,6 +39,7 @@ SIGTERM_EXIT = 128 + signal.SIGTERM  # how a job stopped by scancel, a time limi
 # how long a stopped job waits for its trainer to save the checkpoint of the step in flight (SLURM's KillWait, 30 s by
 # default, may end it sooner with SIGKILL); a server gets the short default
 TRAINER_STOP_GRACE_S = 120.0
+PORT_CLAIMS = Path(tempfile.gettempdir()) / f"open_r1_ext-ports-{os.getuid()}"  # node-local: ports server jobs took
 Echo = Callable[[str], None]
 
 
@@ -197,65 +204,128 @@ def prepare_run_dir(plan: SlurmPlan, echo: Echo = log) -> None:
     plan.files.logs.chmod(0o700)
     write_run_key(plan.recipe, plan.files.run_dir, warn=echo)
     for role in plan.server_roles:
-        plan.files.addr(role).unlink(missing_ok=True)
+        for addr in plan.files.replica_dir(role).glob("*.addr"):
+            addr.unlink(missing_ok=True)
     plan.files.jobs.unlink(missing_ok=True)
 
 
-def write_jobs_file(files: RunFiles, refs: Sequence[JobRef], launcher: str) -> None:
-    """jobs.env: `<ROLE>_JOB=<id>` for each job, `EXECUTOR` and `LAUNCHER`; written with the servers, then again
-    with the trainer, so a trainer job always finds its servers there and a server job its trainer."""
-    lines = [f"{role_var(ref.role)}_JOB={ref.job_id}" for ref in refs]
-    _write_atomic(files.jobs, "\n".join([*lines, f"EXECUTOR={refs[0].executor}", f"LAUNCHER={launcher}"]) + "\n")
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock (flock) on `path` while the block runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
-def read_jobs_file(plan: SlurmPlan) -> dict[str, JobRef]:
-    """The run's jobs by role, from jobs.env (empty before the launcher wrote it)."""
-    files = plan.files
+def read_jobs_env(files: RunFiles) -> dict[str, str]:
+    """jobs.env's `KEY=VALUE` lines as a dict (empty before a launcher wrote it)."""
     if not files.jobs.is_file():
         return {}
-    values = dict(line.split("=", 1) for line in files.jobs.read_text().splitlines() if "=" in line)
+    return dict(line.split("=", 1) for line in files.jobs.read_text().splitlines() if "=" in line)
+
+
+def register_jobs(files: RunFiles, refs: Sequence[JobRef], plan: Optional[SlurmPlan] = None,
+                  launcher: Optional[str] = None) -> None:
+    """Add jobs to jobs.env (`<ROLE>_JOB`, a role's replicas comma-separated in submission order), with
+    `EXECUTOR`; a launcher also writes `LAUNCHER` and how to load the recipe again (`RECIPE_ARGS`, `LAUNCH_DIR`, what
+    `add-server` reads). Read, changed and written (atomically) under a lock: the launcher, `add-server` and a server
+    job that joins by itself may add jobs at once. A job already listed is not added twice."""
+    with _locked(files.run_dir / ".jobs.lock"):
+        values = read_jobs_env(files)
+        for ref in refs:
+            key = f"{role_var(ref.role)}_JOB"
+            ids = [job_id for job_id in values.get(key, "").split(",") if job_id]
+            values[key] = ",".join(ids if ref.job_id in ids else [*ids, ref.job_id])
+        values.setdefault("EXECUTOR", refs[0].executor)
+        if launcher:
+            values["LAUNCHER"] = launcher
+        if plan is not None:
+            values.update(RECIPE_ARGS=shlex.join(job_args(plan)), LAUNCH_DIR=os.getcwd())
+        order = [f"{role_var(role)}_JOB" for role in (SERVER, REF_SERVER, TRAINER)]
+        keys = [key for key in order if key in values] + [key for key in values if key not in order]
+        _write_atomic(files.jobs, "".join(f"{key}={values[key]}\n" for key in keys))
+
+
+def read_jobs_file(files: RunFiles) -> list[JobRef]:
+    """The run's jobs from jobs.env, servers first (every replica), each with its error log; [] before a launcher
+    wrote it."""
+    values = read_jobs_env(files)
     executor, launcher = values.get("EXECUTOR", "slurm"), values.get("LAUNCHER", SBATCH)
-    return {role: JobRef.of(files, role, values[f"{role_var(role)}_JOB"], executor, launcher)
-            for role in plan.roles if f"{role_var(role)}_JOB" in values}
+    return [JobRef.of(files, role, job_id, executor, launcher) for role in (SERVER, REF_SERVER, TRAINER)
+            for job_id in values.get(f"{role_var(role)}_JOB", "").split(",") if job_id]
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     tmp.replace(path)
 
 
-# ----------------------------------------------------------------------------------------- waits
-def wait_for_server(plan: SlurmPlan, server: JobRef, watch: JobWatch, echo: Echo = log) -> str:
-    """The URL of a server job once it has advertised itself and answers /health.
+def advertised(files: RunFiles, role: str) -> dict[str, str]:
+    """`{name: URL}` of the replicas of a role in its address directory (`<name>.addr`, `name` the job id)."""
+    found = {}
+    for path in sorted(files.replica_dir(role).glob("*.addr")):
+        try:
+            address = path.read_text().strip()
+        except OSError:  # withdrawn meanwhile
+            continue
+        if address:
+            found[path.stem] = f"http://{address}"
+    return found
 
-    Raises `LaunchError` when the job ends first, or after the recipe's `trainer.server_wait_timeout`.
+
+# ----------------------------------------------------------------------------------------- waits
+def wait_for_replicas(plan: SlurmPlan, watch: JobWatch, echo: Echo = log) -> dict[str, dict[str, str]]:
+    """`{role: {job id: URL}}` of the healthy replicas of each server role, once every role has its spec's
+    `min_replicas` healthy. Replica jobs added to jobs.env meanwhile (`add-server`) are watched too.
+
+    Raises `LaunchError` once a role cannot get there any more (too few of its jobs may still run), or after the
+    recipe's `trainer.server_wait_timeout`, naming the jobs that do not serve and their logs.
     """
-    addr_file, timeout = plan.files.addr(server.role), plan.server_wait_s
-    start, next_progress = time.monotonic(), POLL_S
+    timeout, start, next_progress = plan.server_wait_s, time.monotonic(), POLL_S
     while True:
-        url = f"http://{addr_file.read_text().strip()}" if addr_file.is_file() else None
-        if url and SGLangClient(url).is_healthy(timeout=5.0):  # /health needs no API key
-            return url
-        state, elapsed = watch.state(server), time.monotonic() - start
-        if state not in ACTIVE_STATES:
-            raise LaunchError(f"{server} ended ({state}) before its server became healthy; see {server.log}")
+        for ref in read_jobs_file(plan.files):
+            if ref.role in plan.server_roles and ref.job_id not in {r.job_id for r in watch.refs}:
+                watch.add(ref)
+        healthy, waiting, short_of = {}, [], []
+        for role in plan.server_roles:
+            jobs, need = [r for r in watch.refs if r.role == role], plan.spec(role).min_replicas
+            addresses = advertised(plan.files, role)  # /health needs no API key
+            healthy[role] = {name: url for name, url in addresses.items() if SGLangClient(url).is_healthy(timeout=5.0)}
+            if len(healthy[role]) >= need:
+                continue
+            ended = [r for r in jobs if not watch.alive(r)]
+            if len(jobs) - len(ended) < need:
+                short = (f"{len(jobs) - len(ended)} of the {len(jobs)} {role} jobs may still serve, and the trainer "
+                         f"needs {need} (servers.{SERVER_ROLES[role]}.min_replicas): " if len(jobs) > 1 else "")
+                raise LaunchError(short + "; ".join(f"{r} ended ({watch.state(r)}) before its server became healthy; "
+                                                    f"see {r.log}" for r in ended))
+            waiting += [(r, addresses.get(r.job_id)) for r in jobs if r.job_id not in healthy[role] and watch.alive(r)]
+            short_of.append(f"{len(healthy[role])} of {need} {role} replica(s) healthy")
+        if not short_of:
+            return healthy
+        elapsed = time.monotonic() - start
+        not_serving = "; ".join(f"{r} ({watch.state(r)}): {f'not healthy at {url}' if url else 'no address yet'}"
+                                for r, url in waiting)
         if elapsed > timeout:
-            raise LaunchError(f"{server} ({state}) is not healthy after {timeout:.0f} s (trainer.server_wait_timeout); "
-                              f"see {server.log}")
+            raise LaunchError(f"{', '.join(short_of)} after {timeout:.0f} s (trainer.server_wait_timeout): "
+                              f"{not_serving}; see {', '.join(r.log for r, _ in waiting)}")
         if elapsed >= next_progress:
-            where = f"not healthy at {url}" if url else f"no {addr_file} yet"
-            echo(f"waiting for {server} ({state}): {where} ({elapsed:.0f} s / {timeout:.0f} s)")
+            echo(f"waiting for servers, {', '.join(short_of)}: {not_serving} ({elapsed:.0f} s / {timeout:.0f} s)")
             next_progress += POLL_S
         time.sleep(1.0)
 
 
 # ------------------------------------------------------------------------------------- processes
-def node_command(plan: SlurmPlan, role: str, ctx: JobContext, urls: Mapping[str, str]) -> list[str]:
-    """What one node of the job runs: the server, or `accelerate launch` of the trainer."""
+def node_command(plan: SlurmPlan, role: str, ctx: JobContext, index: int = 0,
+                 port: Optional[int] = None) -> list[str]:
+    """What one node of the job runs: the server (of resources entry `index`, on `port`), or `accelerate launch`
+    of the trainer."""
     if role == TRAINER:
-        return argv(plan.trainer_command(ctx.node_rank, ctx.head_node, dict(urls)))
-    return argv(plan.server_command(role, ctx.node_rank, ctx.head_node))
+        return argv(plan.trainer_command(ctx.node_rank, ctx.head_node))
+    return argv(plan.server_command(role, ctx.node_rank, ctx.head_node, index, port))
 
 
 def job_args(plan: SlurmPlan) -> list[str]:
@@ -263,17 +333,16 @@ def job_args(plan: SlurmPlan) -> list[str]:
     return [plan.recipe_path, *(f"--set={item}" for item in plan.overrides)]
 
 
-def start_on_nodes(plan: SlurmPlan, role: str, ctx: JobContext,
-                   urls: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
+def start_on_nodes(plan: SlurmPlan, role: str, ctx: JobContext, index: int = 0,
+                   port: Optional[int] = None) -> subprocess.Popen:
     """The job's command on its nodes: from sbatch's batch step, one srun task a node (`jobs node`, which computes
     the node's command from its rank); under submitit, which runs the task on every node, this node's command."""
-    urls = urls or {}
     if ctx.launcher == SBATCH:
-        url_args = [arg for flag, r in (("--server-url", SERVER), ("--ref-url", REF_SERVER)) if r in urls
-                    for arg in (flag, urls[r])]
-        return _spawn(["srun", *plan.srun_args(role), sys.executable, "-m", "open_r1_ext.launch.jobs", "node", role,
-                       *job_args(plan), *url_args])
-    return _spawn(node_command(plan, role, ctx, urls))
+        server_args = [] if role == TRAINER else ["--resources-index", str(index),
+                                                  "--port", str(port or plan.port(role))]
+        return _spawn(["srun", *plan.srun_args(role, index), sys.executable, "-m", "open_r1_ext.launch.jobs", "node",
+                       role, *job_args(plan), *server_args])
+    return _spawn(node_command(plan, role, ctx, index, port))
 
 
 def _spawn(cmd: list[str]) -> subprocess.Popen:
@@ -304,21 +373,64 @@ def stop_on_signals() -> None:
         signal.signal(sig, raise_interrupt)
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a TIME_WAIT socket is no owner
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def node_port(preferred: int, job_id: str) -> Iterator[int]:
+    """The port of a one-node server job: `preferred` when nothing on this node listens on it and no other server
+    job (of this user) starting here has claimed it, else one the OS picks. Replicas SLURM places on one node so
+    each get their own. The claim is a file in a node-local folder, held while the block runs."""
+    with _locked(PORT_CLAIMS / ".lock"):
+        claimed = {path.stem for path in PORT_CLAIMS.glob("*.port")}
+        port = preferred
+        while str(port) in claimed or not _bindable(port):
+            port = free_port("0.0.0.0")
+        claim = PORT_CLAIMS / f"{port}.port"
+        claim.write_text(job_id)
+    try:
+        yield port
+    finally:
+        claim.unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------------------------- the jobs
-def run_server_job(plan: SlurmPlan, role: str, ctx: JobContext, echo: Echo = log) -> int:
-    """Run a server on the job's nodes; from the first node, advertise `host:port` in `<role>.addr` once /health
-    answers, and stop once the run's trainer job is gone. Returns the job's exit status."""
+def run_server_job(plan: SlurmPlan, role: str, ctx: JobContext, index: int = 0, echo: Echo = log) -> int:
+    """Run one replica of a role's server (resources entry `index`) on the job's nodes; from the first node, join
+    the run (jobs.env), advertise `host:port` in the role's address directory once /health answers, and stop once
+    the run's trainer job is gone. Returns the job's exit status."""
     if role not in plan.server_roles:
         raise LaunchError(f"recipe {plan.recipe_path} starts no {role} (its servers: "
                           f"{', '.join(plan.server_roles) or 'none: every role has a url or runs on the trainer'})")
-    files, me, address = plan.files, f"{role} job {ctx.job_id}", f"{ctx.head_node}:{plan.port(role)}"
+    plan.check_index(role, index)
+    files, me = plan.files, JobRef.of(plan.files, role, ctx.job_id, ctx.executor, ctx.launcher)
     stop_on_signals()
     files.logs.mkdir(parents=True, exist_ok=True)
-    process = None
+    with contextlib.ExitStack() as stack:
+        try:
+            one_node = plan.resources(role, index).nodes == 1
+            port = stack.enter_context(node_port(plan.port(role), ctx.job_id)) if one_node else plan.port(role)
+        except KeyboardInterrupt:
+            return SIGTERM_EXIT
+        return _serve(plan, role, ctx, index, port, me, echo)
+
+
+def _serve(plan: SlurmPlan, role: str, ctx: JobContext, index: int, port: int, me: JobRef, echo: Echo) -> int:
+    files, address, lead = plan.files, f"{ctx.head_node}:{port}", ctx.node_rank == 0
+    addr_file, process = files.replica_addr(role, ctx.job_id), None
     try:
-        process = start_on_nodes(plan, role, ctx)
-        if ctx.node_rank == 0:
-            _advertise_when_healthy(plan, role, process, address, me, echo)
+        if lead:
+            _join(files, me, echo)
+        process = start_on_nodes(plan, role, ctx, index, port)
+        if lead:
+            _advertise_when_healthy(plan, process, address, addr_file, me, echo)
             if _serve_until_trainer_gone(plan, process, me, echo):
                 return 0
         process.wait()
@@ -329,40 +441,51 @@ def run_server_job(plan: SlurmPlan, role: str, ctx: JobContext, echo: Echo = log
         echo(str(err))
         return 1
     finally:
-        if ctx.node_rank == 0:
-            addr_file = files.addr(role)
-            if addr_file.is_file() and addr_file.read_text().strip() == address:
-                addr_file.unlink()
+        if lead and addr_file.is_file() and addr_file.read_text().strip() == address:
+            addr_file.unlink()  # withdrawn first: the trainer's pool stops sending to it
         _stop(process)
-        if ctx.node_rank == 0:
+        if lead:
             record(files, f"{me}: stopped", echo)
 
 
-def _advertise_when_healthy(plan: SlurmPlan, role: str, process: subprocess.Popen, address: str, me: str,
+def _join(files: RunFiles, me: JobRef, echo: Echo) -> None:
+    """A server job started by hand (`sbatch slurm/serve.slurm RECIPE`) adds itself to its run's jobs.env, so the
+    run's end cancels it like the others (`add-server` and the launchers list theirs when they submit them)."""
+    values = read_jobs_env(files)
+    if not values or me.job_id in values.get(f"{role_var(me.role)}_JOB", "").split(","):
+        return
+    if values.get("EXECUTOR", "slurm") != me.executor:
+        echo(f"{me}: not added to {files.jobs}: the run's jobs are {values.get('EXECUTOR')} jobs, this one is not")
+        return
+    register_jobs(files, [me])
+    record(files, f"{me}: joined the run (added to {files.jobs})", echo)
+
+
+def _advertise_when_healthy(plan: SlurmPlan, process: subprocess.Popen, address: str, addr_file: Path, me: JobRef,
                             echo: Echo) -> None:
     client = SGLangClient(f"http://{address}")  # /health needs no API key
     start, next_progress = time.monotonic(), POLL_S
     while not client.is_healthy(timeout=5.0):
         elapsed = time.monotonic() - start
         if process.poll() is not None:
-            raise LaunchError(f"{me}: the {role} exited (code {process.returncode}) before answering "
+            raise LaunchError(f"{me}: the {me.role} exited (code {process.returncode}) before answering "
                               f"http://{address}/health; see this job's log")
         if elapsed > plan.server_wait_s:
-            raise LaunchError(f"{me}: the {role} is not healthy after {plan.server_wait_s:.0f} s "
+            raise LaunchError(f"{me}: the {me.role} is not healthy after {plan.server_wait_s:.0f} s "
                               f"(trainer.server_wait_timeout; http://{address}/health)")
         if elapsed >= next_progress:
             echo(f"{me}: waiting for http://{address}/health ({elapsed:.0f} s / {plan.server_wait_s:.0f} s)")
             next_progress += POLL_S
         time.sleep(1.0)
-    _write_atomic(plan.files.addr(role), address + "\n")
+    _write_atomic(addr_file, address + "\n")
     record(plan.files, f"{me}: healthy at http://{address}", echo)
 
 
-def _serve_until_trainer_gone(plan: SlurmPlan, process: subprocess.Popen, me: str, echo: Echo) -> bool:
+def _serve_until_trainer_gone(plan: SlurmPlan, process: subprocess.Popen, me: JobRef, echo: Echo) -> bool:
     """The watchdog: True once the trainer job named in jobs.env is gone, False when the server exits first."""
     watch = JobWatch()
     while process.poll() is None:
-        trainer = read_jobs_file(plan).get(TRAINER)
+        trainer = next((ref for ref in read_jobs_file(plan.files) if ref.role == TRAINER), None)
         if trainer is not None:
             if trainer not in watch.refs:
                 watch.add(trainer)
@@ -377,27 +500,28 @@ def _serve_until_trainer_gone(plan: SlurmPlan, process: subprocess.Popen, me: st
 
 
 def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
-    """Wait for the run's servers (named in jobs.env), then `accelerate launch` the training on the job's nodes.
-    The first node then ends the run (`end_run`). Returns the job's exit status."""
+    """Wait for `min_replicas` healthy replicas of each of the run's server roles (their jobs named in jobs.env),
+    then `accelerate launch` the training on the job's nodes, its pool the roles' address directories. The first
+    node then ends the run (`end_run`). Returns the job's exit status."""
     files, lead = plan.files, ctx.node_rank == 0
     me = JobRef.of(files, TRAINER, ctx.job_id, ctx.executor, ctx.launcher)
-    jobs = read_jobs_file(plan)
-    missing = [role for role in plan.server_roles if role not in jobs]
+    servers = [ref for ref in read_jobs_file(files) if ref.role in plan.server_roles]
+    missing = [role for role in plan.server_roles if not any(ref.role == role for ref in servers)]
     if missing:
         raise LaunchError(f"{me}: {files.jobs} names no {' or '.join(missing)} job; launch the run with "
                           "slurm/grpo.slurm or open-r1-ext launch")
-    servers = [jobs[role] for role in plan.server_roles]
     watch, urls, process, code, ended = JobWatch([me, *servers]), {}, None, 1, False
     stop_on_signals()
     files.logs.mkdir(parents=True, exist_ok=True)
     try:
         if lead:
             record(files, f"{me}: started on {','.join(ctx.nodes)}", echo)
-        for server in servers:
-            urls[server.role] = wait_for_server(plan, server, watch, echo)
+        for role, replicas in wait_for_replicas(plan, watch, echo).items():
+            urls.update(replicas)
             if lead:
-                record(files, f"{me}: {server} is up at {urls[server.role]}", echo)
-        process = start_on_nodes(plan, TRAINER, ctx, urls)
+                for job_id, url in replicas.items():
+                    record(files, f"{me}: {role} job {job_id} is up at {url}", echo)
+        process = start_on_nodes(plan, TRAINER, ctx)
         code = process.wait()
     except KeyboardInterrupt:
         code = SIGTERM_EXIT
@@ -405,7 +529,7 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
             watch.refresh()
             ended = being_requeued(ctx, me, watch)
             if ended:  # the servers stay up whatever happens next
-                end_run(plan, ctx, me, code, servers, urls, watch, echo)
+                end_run(plan, ctx, me, code, urls, watch, echo)
             else:
                 record(files, f"{me}: SIGTERM: the trainer saves a checkpoint of its last finished step and stops "
                               f"(given up to {TRAINER_STOP_GRACE_S:.0f} s, or SLURM's KillWait)", echo)
@@ -414,19 +538,26 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
     finally:
         _stop(process, TRAINER_STOP_GRACE_S)
         if lead and not ended:
-            end_run(plan, ctx, me, code, servers, urls, watch, echo)
+            end_run(plan, ctx, me, code, urls, watch, echo)
     return code
 
 
-def end_run(plan: SlurmPlan, ctx: JobContext, me: JobRef, code: int, servers: Sequence[JobRef],
-            urls: Mapping[str, str], watch: JobWatch, echo: Echo = log) -> None:
+def end_run(plan: SlurmPlan, ctx: JobContext, me: JobRef, code: int, urls: dict[str, str], watch: JobWatch,
+            echo: Echo = log) -> None:
     """The one owner of a run's end, on both launch paths: unless the trainer job is being requeued, say how it
-    ended (naming any server job that died under it) and cancel the server jobs still running."""
+    ended (naming any server job that died under it) and cancel every server job still running, replicas added
+    during the run (jobs.env, read again now) included. `urls` maps the job ids of servers seen healthy to URLs."""
+    for ref in read_jobs_file(plan.files):
+        if ref.role != TRAINER and ref.job_id not in {r.job_id for r in watch.refs}:
+            watch.add(ref)
     watch.refresh()
     if being_requeued(ctx, me, watch):
         record(plan.files, f"{me}: requeued; it resumes from the last checkpoint, the servers stay up", echo)
         return
-    lost = "".join(f"; {s} ({urls.get(s.role, 'no URL yet')}) is no longer running ({watch.state(s)})"
+    for role in plan.server_roles:
+        urls = {**advertised(plan.files, role), **urls}
+    servers = [ref for ref in watch.refs if ref.role != TRAINER]
+    lost = "".join(f"; {s} ({urls.get(s.job_id, 'no URL yet')}) is no longer running ({watch.state(s)})"
                    for s in servers if not watch.alive(s))
     if code == 0:
         record(plan.files, f"{me}: succeeded; model in {plan.files.run_dir}", echo)
@@ -447,22 +578,32 @@ def being_requeued(ctx: JobContext, me: JobRef, watch: JobWatch) -> bool:
 
 
 # ----------------------------------------------------------------------------------- submission
+def submit_env() -> dict:
+    """The environment of the jobs sbatch submits: this one, without the submitting job's own SLURM variables, and
+    with this interpreter for serve.slurm and train.slurm to exec."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    env["PYTHON"] = sys.executable
+    return env
+
+
 def submit_run(plan: SlurmPlan, echo: Echo = log) -> int:
-    """`slurm/grpo.slurm`: sbatch the server job(s), then the trainer job (it starts once they have started), with
-    jobs.env written for each; a submission that stops half-way cancels what it submitted."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}  # not the submit job's own
-    env["PYTHON"] = sys.executable  # what serve.slurm and train.slurm exec
+    """`slurm/grpo.slurm`: sbatch each role's replica server jobs, then the trainer job (it starts once the first
+    `min_replicas` of each role have started), with jobs.env written for each; a submission that stops half-way
+    cancels what it submitted."""
+    env = submit_env()
     stop_on_signals()
     prepare_run_dir(plan)
     submitted: list[JobRef] = []
     try:
         for role in plan.server_roles:
-            submitted.append(_sbatch(plan, role, ["--role", role], [], env, echo))
-        if submitted:
-            write_jobs_file(plan.files, submitted, SBATCH)
-        after = [f"--dependency=after:{':'.join(ref.job_id for ref in submitted)}", "--kill-on-invalid-dep=yes"]
-        submitted.append(_sbatch(plan, TRAINER, [], after if submitted else [], env, echo))
-        write_jobs_file(plan.files, submitted, SBATCH)
+            for _, index in plan.jobs_of(role):
+                submitted.append(_sbatch(plan, role, index, [], env, echo))
+                register_jobs(plan.files, submitted[-1:], plan, SBATCH)
+        first = [ref.job_id for role in plan.server_roles
+                 for ref in [s for s in submitted if s.role == role][:plan.spec(role).min_replicas]]
+        after = [f"--dependency=after:{':'.join(first)}", "--kill-on-invalid-dep=yes"] if first else []
+        submitted.append(_sbatch(plan, TRAINER, 0, after, env, echo))
+        register_jobs(plan.files, submitted[-1:], plan, SBATCH)
     except BaseException:
         if submitted:
             cancel(submitted)
@@ -474,14 +615,48 @@ def submit_run(plan: SlurmPlan, echo: Echo = log) -> int:
     return 0
 
 
-def _sbatch(plan: SlurmPlan, role: str, script_args: list[str], options: list[str], env: dict, echo: Echo) -> JobRef:
+def _sbatch(plan: SlurmPlan, role: str, index: int, options: list[str], env: dict, echo: Echo,
+            launcher: str = SBATCH) -> JobRef:
+    """sbatch one job: the trainer, or server job `index` of a role (logs named as `launcher` names them)."""
     script = SLURM_DIR / ("train.slurm" if role == TRAINER else "serve.slurm")
-    out = subprocess.run(["sbatch", "--parsable", *plan.sbatch_args(role), *options, str(script), *job_args(plan),
-                          *script_args], env=env, capture_output=True, text=True)
+    script_args = [] if role == TRAINER else ["--role", role, "--resources-index", str(index)]
+    out = subprocess.run(["sbatch", "--parsable", *plan.sbatch_args(role, index, launcher), *options, str(script),
+                          *job_args(plan), *script_args], env=env, capture_output=True, text=True)
     if out.returncode:
         raise LaunchError(f"sbatch of the {role} job failed: {out.stderr.strip()}")
-    ref = JobRef.of(plan.files, role, out.stdout.strip().split(";")[0], "slurm", SBATCH)
-    record(plan.files, f"submitted {ref} (logs: {plan.files.log(role, ref.job_id, SBATCH, 'out')}, .err)", echo)
+    ref = JobRef.of(plan.files, role, out.stdout.strip().split(";")[0], "slurm", launcher)
+    record(plan.files, f"submitted {ref} (logs: {plan.files.log(role, ref.job_id, launcher, 'out')}, .err)", echo)
+    return ref
+
+
+def add_server(run_dir: Path, role: str = SERVER, index: int = 0, echo: Echo = log) -> JobRef:
+    """`open-r1-ext add-server`: sbatch one more server job (resources entry `index`) for a running run, launched
+    by either launcher, with the run's recipe and overrides (jobs.env's `RECIPE_ARGS`, loaded from `LAUNCH_DIR`
+    like the launch). It is listed in jobs.env, so the run's end cancels it, and joins the trainer's pool once it
+    advertises itself."""
+    files = RunFiles(Path(run_dir).resolve())
+    values = read_jobs_env(files)
+    if "RECIPE_ARGS" not in values:
+        raise LaunchError(f"{files.jobs}: {'no RECIPE_ARGS' if values else 'no such file'}: add-server joins a run "
+                          "launched with slurm/grpo.slurm or open-r1-ext launch (give its trainer.output_dir)")
+    if values.get("EXECUTOR") == "local":
+        raise LaunchError(f"{files.run_dir} runs on submitit's local executor; add-server submits SLURM jobs")
+    trainer = [ref for ref in read_jobs_file(files) if ref.role == TRAINER]
+    watch = JobWatch(trainer)
+    if trainer and not watch.alive(trainer[0]):
+        raise LaunchError(f"the run's {trainer[0]} has ended ({watch.state(trainer[0])}): there is no run to join; "
+                          "launch it again (it resumes from its last checkpoint)")
+    from open_r1_ext.launch.recipe import load_recipe
+
+    os.chdir(values["LAUNCH_DIR"])  # the recipe's relative paths are relative to where the run was launched
+    recipe_path, *sets = shlex.split(values["RECIPE_ARGS"])
+    overrides = [item.removeprefix("--set=") for item in sets]
+    plan = SlurmPlan(load_recipe(recipe_path, overrides), overrides)
+    if role not in plan.server_roles:
+        raise LaunchError(f"the run starts no {role} jobs (its servers: {', '.join(plan.server_roles) or 'none'})")
+    plan.check_index(role, index)
+    ref = _sbatch(plan, role, index, [], submit_env(), echo, values.get("LAUNCHER", SBATCH))
+    register_jobs(files, [ref])
     return ref
 
 
@@ -501,9 +676,14 @@ def main(cli_args: Optional[list[str]] = None) -> int:
         if name == "node":
             job.add_argument("role", choices=(SERVER, REF_SERVER, TRAINER))
         job.add_argument("recipe")
-        add_recipe_arguments(job, server_urls=name == "node")
+        add_recipe_arguments(job)
         if name == "server":
             job.add_argument("--role", choices=(SERVER, REF_SERVER), default=SERVER)
+        if name in ("server", "node"):
+            job.add_argument("--resources-index", type=int, default=0,
+                             help="the entry of the spec's resources list this server job has (default 0)")
+        if name == "node":
+            job.add_argument("--port", type=int, default=None, help="the port the server job took on its first node")
     args = parser.parse_args(cli_args)
     try:
         plan = SlurmPlan(load_recipe(args.recipe, args.set), args.set)
@@ -511,11 +691,10 @@ def main(cli_args: Optional[list[str]] = None) -> int:
             return submit_run(plan)
         ctx = JobContext.from_slurm_env()
         if args.job == "server":
-            return run_server_job(plan, args.role, ctx)
+            return run_server_job(plan, args.role, ctx, args.resources_index)
         if args.job == "trainer":
             return run_trainer_job(plan, ctx)
-        urls = {SERVER: args.server_url, REF_SERVER: args.ref_url}
-        cmd = node_command(plan, args.role, ctx, {role: url for role, url in urls.items() if url})
+        cmd = node_command(plan, args.role, ctx, args.resources_index, args.port)
         os.execv(cmd[0], cmd)  # this node's server or trainer replaces the entry: srun signals it directly
     except RecipeError as err:
         log(f"{err}\nnothing started")

@@ -74,8 +74,10 @@ class RewardSpec(Section):
 
 
 class Resources(Section):
-    """The SLURM resources of one job: nodes, GPUs per node, CPUs per task, memory."""
+    """The SLURM resources of one job: nodes, GPUs per node, CPUs per task, memory, and a partition of its own
+    (default: `slurm.partition`)."""
 
+    partition: Optional[str] = None
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(8, ge=0)
     cpus_per_task: Optional[int] = Field(None, ge=1)
@@ -92,12 +94,22 @@ class TrainerResources(Resources):
         return self.nodes * (self.processes_per_node or max(1, self.gpus_per_node))
 
 
+# the two forms of a server spec's `resources`: one mapping for every replica, or a list of one mapping per replica
+ONE_FOR_ALL, PER_REPLICA = "one-for-all", "per-replica"
+
+
+def _resources_form(value: Any) -> str:
+    return PER_REPLICA if isinstance(value, list) else ONE_FOR_ALL
+
+
 class ServerSpec(Section):
     """A role's own server: one the launchers start (`engine`, with `resources`), or one already running (`url`).
 
     `engine`: `builtin` (this package's server, one device), `sglang`, or `openai` (an OpenAI-compatible
     `/v1/completions` server already running at `url`; generation only). `deterministic` starts the server with
     `--enable-deterministic-inference`, without which SGLang and the built-in server ignore `sampling_seed`.
+    `replicas` server jobs are started (each its own allocation, with `resources`, or its entry of a `resources`
+    list); the trainer starts once `min_replicas` of them are healthy, and trains while that many serve.
     """
 
     engine: Literal["builtin", "sglang", "openai"] = "builtin"
@@ -110,7 +122,20 @@ class ServerSpec(Section):
     dtype: DType = "auto"
     deterministic: bool = False
     extra_args: list[Union[str, int, float]] = []
-    resources: Resources = Field(default_factory=Resources)
+    replicas: int = Field(1, ge=1)
+    min_replicas: int = Field(1, ge=1)
+    resources: Annotated[Union[Annotated[Resources, Tag(ONE_FOR_ALL)], Annotated[list[Resources], Tag(PER_REPLICA)]],
+                         Discriminator(_resources_form)] = Field(default_factory=Resources)
+
+    def replica_resources(self, index: int) -> Resources:
+        """The resources of the server job of replica `index` (or of resources entry `index`, for `add-server`)."""
+        return self.resources[index] if isinstance(self.resources, list) else self.resources
+
+    def resource_entries(self) -> list[tuple[str, Resources]]:
+        """`(key suffix, resources)` of each distinct entry: `("resources", r)`, or `("resources[i]", r)` of a list."""
+        if isinstance(self.resources, list):
+            return [(f"resources[{i}]", r) for i, r in enumerate(self.resources)]
+        return [("resources", self.resources)]
 
     def extra_arg(self, *flags: str) -> Optional[str]:
         """The value `extra_args` gives one of `flags` (`--flag V` or `--flag=V`), if any."""
@@ -435,6 +460,8 @@ def _problems(err: ValidationError, model: type[BaseModel], where: str = "") -> 
                 key += f"[{item}]"
             elif item in ("spec", "placement"):  # the tags of a role's field
                 placement = item == "placement"
+            elif item in (ONE_FOR_ALL, PER_REPLICA):  # the tags of a server spec's resources
+                continue
             elif current is not None:  # past a plain value, the items name union members
                 key, parent, current = f"{key}.{item}" if key else item, current, _submodel(current, item)
         messages.setdefault(key, []).append(_message(error, parent, placement))
@@ -628,7 +655,8 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
     generation, reference = recipe.servers.generation, recipe.servers.reference
     beta = recipe.setting("beta")
     for role, spec in recipe.servers.specs().items():
-        key, gpus = f"servers.{role}", spec.resources.nodes * spec.resources.gpus_per_node
+        key = f"servers.{role}"
+        _check_replicas(spec, key, problems)
         if spec.url is not None and not spec.url.startswith(("http://", "https://")):
             problems.append((f"{key}.url", f"{spec.url!r}: give a base URL such as http://node-3:30000"))
         if not 1 <= spec.port <= 65535:  # a reference server's default port: the generation server's + 1
@@ -638,18 +666,18 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
             problems.append((f"{key}.extra_args", "the launchers give a server the run's API key in an owner-only file "
                                                   "(--config FILE) and keep it off the command line, where ps shows it: "
                                                   "remove --api-key / --config and set servers.api_key instead"))
-        if spec.engine == "sglang" and spec.started and spec.resources.gpus_per_node == 0:
-            problems.append((f"{key}.resources.gpus_per_node", "0: SGLang runs on GPUs; give the server job GPUs "
-                                                               "(gpus_per_node >= 1) or use engine: builtin"))
-        elif spec.engine == "sglang" and spec.tp_size * spec.dp_size > max(gpus, 1):
-            problems.append((f"{key}.tp_size", f"tp_size x dp_size = {spec.tp_size * spec.dp_size} needs more GPUs than "
-                                               f"{key}.resources gives ({spec.resources.nodes} node(s) x "
-                                               f"{spec.resources.gpus_per_node})"))
-        if spec.engine == "builtin" and (spec.tp_size != 1 or spec.dp_size != 1 or spec.resources.nodes != 1):
-            problems.append((f"{key}.tp_size", "the built-in server runs on one device of one node: set tp_size 1, "
-                                               "dp_size 1, resources.nodes 1, or use engine: sglang"))
-        if spec.engine == "sglang" and spec.started:
-            _check_sglang_nodes(spec, key, problems)
+        for where, job in spec.resource_entries():
+            if spec.engine == "sglang" and spec.started and job.gpus_per_node == 0:
+                problems.append((f"{key}.{where}.gpus_per_node", "0: SGLang runs on GPUs; give the server job GPUs "
+                                                                 "(gpus_per_node >= 1) or use engine: builtin"))
+            elif spec.engine == "sglang" and spec.tp_size * spec.dp_size > max(job.nodes * job.gpus_per_node, 1):
+                problems.append((f"{key}.tp_size", f"tp_size x dp_size = {spec.tp_size * spec.dp_size} needs more GPUs "
+                                                   f"than {key}.{where} gives ({job.nodes} node(s) x {job.gpus_per_node})"))
+            if spec.engine == "builtin" and (spec.tp_size != 1 or spec.dp_size != 1 or job.nodes != 1):
+                problems.append((f"{key}.tp_size", f"the built-in server runs on one device of one node: set tp_size 1, "
+                                                   f"dp_size 1, {where}.nodes 1, or use engine: sglang"))
+            if spec.engine == "sglang" and spec.started:
+                _check_sglang_nodes(spec, job.nodes, key, problems)
         if spec.extra_arg("--admin-api-key") is not None:
             problems.append((f"{key}.extra_args", "--admin-api-key locks /update_weights_from_disk and /flush_cache to "
                                                   "an admin key, which the launchers would have to put on the command "
@@ -696,16 +724,36 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
                                                        "and new (soft update); set 1.0, or host the reference on engine: builtin"))
 
 
-def _check_sglang_nodes(spec: ServerSpec, key: str, problems: list) -> None:
+def _check_replicas(spec: ServerSpec, key: str, problems: list) -> None:
+    """`replicas`, `min_replicas` and a `resources` list fit together, and only on servers the launchers start."""
+    if not spec.started:
+        given = [name for name in ("replicas", "min_replicas") if name in spec.model_fields_set]
+        given += ["resources (a list)"] if isinstance(spec.resources, list) else []
+        if given:
+            problems.append((f"{key}.{given[0].split()[0]}",
+                             f"a server already running at url ({spec.url}) is one server, no job is started for it: "
+                             f"remove {', '.join(given)} (several running servers: give open-r1-ext train one "
+                             "--server-url per server), or remove url to have the launchers start the replicas"))
+        return
+    if spec.min_replicas > spec.replicas:
+        problems.append((f"{key}.min_replicas", f"{spec.min_replicas} is more than replicas ({spec.replicas}): the "
+                                                "trainer would wait for servers that are never started; set it to at "
+                                                f"most {spec.replicas}"))
+    if isinstance(spec.resources, list) and len(spec.resources) != spec.replicas:
+        problems.append((f"{key}.resources", f"a list of {len(spec.resources)} resource mapping(s) for replicas: "
+                                             f"{spec.replicas}; give one per replica, or one mapping for all"))
+
+
+def _check_sglang_nodes(spec: ServerSpec, nodes: int, key: str, problems: list) -> None:
     """What SGLang 0.5.23 refuses at start with several nodes (`arg_groups/validation_hook.py` ~179-202)."""
-    nodes = spec.resources.nodes
     if nodes == 1:
         return
     pp = spec.extra_arg("--pp-size", "--pipeline-parallel-size")
     pp_size = int(pp) if pp and pp.isdigit() else 1
     if spec.dp_size != 1:
         problems.append((f"{key}.dp_size", f"SGLang runs no data-parallel replicas across nodes (nnodes={nodes}): set "
-                                           "dp_size 1 and use tp_size, or one server job per node (resources.nodes 1)"))
+                                           "dp_size 1 and use tp_size, or one server job per node (resources.nodes 1, "
+                                           "replicas: N)"))
     if (spec.tp_size * pp_size) % nodes:
         problems.append((f"{key}.tp_size", f"SGLang needs tp_size x pp_size ({spec.tp_size} x {pp_size}) divisible by "
                                            f"the number of nodes (nnodes={nodes}): change tp_size or resources.nodes"))

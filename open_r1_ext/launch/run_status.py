@@ -1,8 +1,8 @@
 """`open-r1-ext status RUN_DIR`: the state of a run, from its run directory, while it runs and after it ended.
 
-Reads what the jobs and the trainer write there (jobs.env, <role>.addr, status.log, metrics.jsonl, weight_sync.jsonl,
-rollouts.jsonl), asks SLURM for the jobs' states (one squeue call through `jobs.JobWatch`, one sacct call for jobs
-squeue has forgotten) and each server for its health and weight version. Imports no TRL: it runs on a login node. `run_metrics` is also what `plot` reads.
+Reads what the jobs and the trainer write there (jobs.env, replicas/<role>/<job id>.addr, status.log, metrics.jsonl,
+weight_sync.jsonl, rollouts.jsonl), asks SLURM for the jobs' states (one squeue call through `jobs.JobWatch`, one
+sacct call for jobs squeue has forgotten) and each server replica for its health and weight version. Imports no TRL: it runs on a login node. `run_metrics` is also what `plot` reads.
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
-from open_r1_ext.launch.slurm_plan import TRAINER, RunFiles
+from open_r1_ext.launch.slurm_plan import REF_SERVER, SERVER, TRAINER, RunFiles
 
 METRICS_FILE = "metrics.jsonl"  # one JSON object per trainer log (open_r1_ext.train.MetricsLog writes it)
 SCHEMA_VERSION = 1  # of `--json`; bumped only when a documented key changes meaning or goes away
 EVENTS_SHOWN = 8
 RATE_WINDOW = 10  # steps/s over the last this many logged steps
 HEALTH_TIMEOUT_S = 3.0
-JOB_VAR = re.compile(r"^([A-Z_]+)_JOB$")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -65,16 +64,13 @@ def run_metrics(run_dir: Path) -> tuple[list[dict], Optional[dict]]:
 
 # ----------------------------------------------------------------------------------------- parts
 def read_jobs(files: RunFiles) -> list[dict]:
-    """The run's jobs from jobs.env, servers first, each `{role, job_id, executor, state}`: SLURM's state (one
-    squeue call for all, as the jobs watch each other; for jobs squeue no longer lists, one sacct call; `GONE` when
-    neither knows the job), or a local executor's `RUNNING`/`ENDED`. Empty before a launcher wrote jobs.env."""
-    from open_r1_ext.launch.jobs import JobRef, JobWatch
+    """The run's jobs from jobs.env, servers first (one per replica), each `{role, job_id, executor, state}`:
+    SLURM's state (one squeue call for all, as the jobs watch each other; for jobs squeue no longer lists, one sacct
+    call; `GONE` when neither knows the job), or a local executor's `RUNNING`/`ENDED`. Empty before a launcher wrote
+    jobs.env."""
+    from open_r1_ext.launch.jobs import JobWatch, read_jobs_file
 
-    if not files.jobs.is_file():
-        return []
-    values = dict(line.split("=", 1) for line in files.jobs.read_text().splitlines() if "=" in line)
-    refs = [JobRef(match.group(1).lower().replace("_", "-"), value, values.get("EXECUTOR", "slurm"))
-            for key, value in values.items() if (match := JOB_VAR.match(key))]
+    refs = read_jobs_file(files)
     watch = JobWatch(refs)
     jobs = [{"role": ref.role, "job_id": ref.job_id, "executor": ref.executor, "state": watch.state(ref)} for ref in refs]
     gone = {job["job_id"]: job for job in jobs if job["state"] == "GONE"}
@@ -97,18 +93,24 @@ def accounted_states(job_ids: list[str]) -> dict[str, str]:
     return {job_id: state.split()[0] for job_id, state in states if job_id in job_ids and state}
 
 
-def server_urls(files: RunFiles, roles: list[str], events: list[dict]) -> dict[str, Optional[str]]:
-    """Each server role's URL: its `<role>.addr` (written once healthy), else the last `healthy at URL` event in
-    status.log (the address file goes when the server stops), else None (it never became healthy)."""
-    urls: dict[str, Optional[str]] = {}
-    for role in roles:
-        addr = files.addr(role)
-        urls[role] = f"http://{addr.read_text().strip()}" if addr.is_file() else None
-        for event in events:
-            match = re.match(rf"{re.escape(role)} job \S+: healthy at (http://\S+)", event["message"])
-            if match and not addr.is_file():
-                urls[role] = match.group(1)
-    return urls
+def server_replicas(files: RunFiles, jobs: list[dict], events: list[dict]) -> list[tuple[str, str, Optional[str]]]:
+    """`(role, job id, URL)` of each server replica: every server job of jobs.env, then any other replica in the
+    address directories. The URL is the replica's address file (written once healthy), else the job's last
+    `healthy at URL` event in status.log (the address file goes when the server stops), else None (never healthy)."""
+    from open_r1_ext.launch.jobs import advertised
+
+    replicas = [(job["role"], job["job_id"]) for job in jobs if job["role"] != TRAINER]
+    roles = [SERVER, REF_SERVER]
+    addresses = {role: advertised(files, role) for role in roles}
+    replicas += [(role, name) for role in roles for name in addresses[role] if (role, name) not in replicas]
+    found = []
+    for role, job_id in replicas:
+        url = addresses[role].get(job_id)
+        for event in events if url is None else []:
+            match = re.match(rf"{re.escape(role)} job {re.escape(job_id)}: healthy at (http://\S+)", event["message"])
+            url = match.group(1) if match else url
+        found.append((role, job_id, url))
+    return found
 
 
 def run_api_key(files: RunFiles) -> Optional[str]:
@@ -121,11 +123,12 @@ def run_api_key(files: RunFiles) -> Optional[str]:
     return yaml.safe_load(path.read_text())[FLAG] if path.is_file() else None
 
 
-def probe_server(role: str, url: Optional[str], api_key: Optional[str]) -> dict:
-    """`{role, url, healthy, weight_version, error}`: /health, then the weight version the server reports."""
+def probe_server(role: str, job_id: str, url: Optional[str], api_key: Optional[str]) -> dict:
+    """`{role, job_id, url, healthy, weight_version, error}`: /health, then the weight version the replica reports."""
     from open_r1_ext.sglang_client import ServerError, SGLangClient
 
-    server: dict[str, Any] = {"role": role, "url": url, "healthy": False, "weight_version": None, "error": None}
+    server: dict[str, Any] = {"role": role, "job_id": job_id, "url": url, "healthy": False, "weight_version": None,
+                              "error": None}
     if url is None:
         server["error"] = "no address: the server never became healthy"
         return server
@@ -203,15 +206,14 @@ def run_status(run_dir: Path) -> dict:
     files = RunFiles(run_dir.resolve())
     events = read_events(files)
     jobs = read_jobs(files)
-    roles = [job["role"] for job in jobs if job["role"] != TRAINER]
-    roles += sorted(p.stem for p in files.run_dir.glob("*.addr") if p.stem not in roles)
-    urls = server_urls(files, roles, events)
+    api_key = run_api_key(files)
     return {
         "schema": SCHEMA_VERSION,
         "run_dir": str(files.run_dir),
         "checked_at": _iso(time.time()),
         "jobs": jobs,
-        "servers": [probe_server(role, urls[role], run_api_key(files)) for role in roles],
+        "servers": [probe_server(role, job_id, url, api_key)
+                    for role, job_id, url in server_replicas(files, jobs, events)],
         "trainer": trainer_progress(files.run_dir),
         "last_sync": last_syncs(files.run_dir),
         "staleness": staleness(files.run_dir),
@@ -251,7 +253,7 @@ def format_status(status: dict) -> str:
     for server in status["servers"]:
         health = f"healthy, weights {server['weight_version']}" if server["healthy"] else "NOT HEALTHY"
         error = f" ({server['error']})" if server["error"] else ""
-        lines.append(f"server    {server['role']} {server['url'] or '-'}: {health}{error}")
+        lines.append(f"server    {server['role']} {server['job_id']} {server['url'] or '-'}: {health}{error}")
     trainer = status["trainer"]
     if trainer is None:
         lines.append("trainer   no step logged yet")

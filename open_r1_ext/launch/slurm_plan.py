@@ -10,7 +10,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 from open_r1_ext.launch.recipe import Recipe, Resources, ServerSpec
 from open_r1_ext.launch.run_key import key_file, uses_key
@@ -100,12 +100,18 @@ class RunFiles:
 
     @property
     def jobs(self) -> Path:
-        """`KEY=VALUE` lines: the job ids of the run (`SERVER_JOB`, `REF_SERVER_JOB`, `TRAINER_JOB`, `EXECUTOR`)."""
+        """`KEY=VALUE` lines: the job ids of the run (`SERVER_JOB`, `REF_SERVER_JOB`: comma-separated, one per
+        replica; `TRAINER_JOB`), `EXECUTOR`, `LAUNCHER`, and how the run was launched (`RECIPE_ARGS`, `LAUNCH_DIR`)."""
         return self.run_dir / "jobs.env"
 
-    def addr(self, role: str) -> Path:
-        """Written (`host:port`) by a server job once its server answers /health; removed when it stops."""
-        return self.run_dir / f"{role}.addr"
+    def replica_dir(self, role: str) -> Path:
+        """The address directory of a server role: one `<name>.addr` per replica that serves (the trainer's pool)."""
+        return self.run_dir / "replicas" / role
+
+    def replica_addr(self, role: str, name: str) -> Path:
+        """Written (`host:port`, atomically) by server job `name` once its server answers /health; removed when the
+        job stops."""
+        return self.replica_dir(role) / f"{name}.addr"
 
     def log(self, role: str, job_id: str, launcher: str, stream: str) -> Path:
         """A job's `out` or `err` log: `logs/<role>-<id>` under sbatch, submitit's `logs/<role>/<id>_0_log`."""
@@ -115,11 +121,13 @@ class RunFiles:
 
 
 class SlurmPlan:
-    """The jobs of a run: one per server to start (`server` for generation, `ref-server` for a reference server of its
-    own) and the trainer.
+    """The jobs of a run: `replicas` server jobs per role to start (`server` for generation, `ref-server` for a
+    reference server of its own) and the trainer.
 
-    A server job gets its spec's resources (`servers.<role>.resources`), the trainer `slurm.trainer`'s; all get
-    `slurm:`'s partition, account, qos, time, constraint, exclusive and extra_sbatch. `overrides` are the `--set` values the recipe was loaded with; jobs load it again with the same ones.
+    Server job `index` of a role gets its spec's resources (`servers.<role>.resources`, or entry `index` of a list),
+    the trainer `slurm.trainer`'s; all get `slurm:`'s account, qos, time, constraint, exclusive and extra_sbatch, and
+    its partition unless their resources name their own. `overrides` are the `--set` values the recipe was loaded
+    with; jobs load it again with the same ones.
     """
 
     def __init__(self, recipe: Recipe, overrides: Sequence[str] = ()):
@@ -149,8 +157,20 @@ class SlurmPlan:
     def roles(self) -> list[str]:
         return [*self.server_roles, TRAINER]
 
-    def resources(self, role: str) -> Resources:
-        return self.recipe.slurm.trainer if role == TRAINER else self.spec(role).resources
+    def resources(self, role: str, index: int = 0) -> Resources:
+        """The trainer's resources, or those of a role's server job `index` (its entry of a `resources` list)."""
+        return self.recipe.slurm.trainer if role == TRAINER else self.spec(role).replica_resources(index)
+
+    def check_index(self, role: str, index: int) -> None:
+        """A server job's resources index names an entry of the role's `resources` (a list, or the one mapping: 0)."""
+        resources = self.spec(role).resources
+        entries = len(resources) if isinstance(resources, list) else 1
+        if not 0 <= index < entries:
+            raise PlanError(f"servers.{SERVER_ROLES[role]}.resources: no entry {index} (resources index), it has "
+                            f"{entries}: give 0{f' to {entries - 1}' if entries > 1 else ''}")
+
+    def partition(self, role: str, index: int = 0) -> Optional[str]:
+        return self.resources(role, index).partition or self.recipe.slurm.partition
 
     def job_name(self, role: str) -> str:
         return f"{self.recipe.slurm.job_name}-{role}"
@@ -173,31 +193,32 @@ class SlurmPlan:
         return options
 
     # ------------------------------------------------------------- sbatch
-    def sbatch_args(self, role: str) -> list[str]:
-        """The sbatch options of a job, as `jobs.submit_run` passes them (they override the scripts' #SBATCH lines)."""
-        slurm, job = self.recipe.slurm, self.resources(role)
-        optional = {"partition": slurm.partition, "account": slurm.account, "qos": slurm.qos,
+    def sbatch_args(self, role: str, index: int = 0, launcher: str = SBATCH) -> list[str]:
+        """The sbatch options of a job (server job `index` of a role), as `jobs.submit_run` passes them (they override
+        the scripts' #SBATCH lines); its logs are named as `launcher` names them (`add-server` in a submitit run)."""
+        slurm, job = self.recipe.slurm, self.resources(role, index)
+        optional = {"partition": self.partition(role, index), "account": slurm.account, "qos": slurm.qos,
                     "constraint": slurm.constraint, "cpus-per-task": job.cpus_per_task, "mem": job.mem,
                     "gres": f"gpu:{job.gpus_per_node}" if job.gpus_per_node > 0 else None}
         args = [f"--job-name={self.job_name(role)}", f"--time={slurm.time}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
         args += [f"--{key}={value}" for key, value in optional.items() if value is not None]
         args += ["--exclusive"] if slurm.exclusive else []
         args += self.extra_sbatch
-        logs = [f"--output={self.files.log(role, '%j', SBATCH, 'out')}", f"--error={self.files.log(role, '%j', SBATCH, 'err')}"]
+        logs = [f"--output={self.files.log(role, '%j', launcher, 'out')}", f"--error={self.files.log(role, '%j', launcher, 'err')}"]
         return args + logs + ["--open-mode=append"]  # appended to, so a requeued job keeps the log of its earlier starts
 
-    def srun_args(self, role: str) -> list[str]:
+    def srun_args(self, role: str, index: int = 0) -> list[str]:
         """One task per node, with the job's CPUs and GPUs (srun does not inherit --cpus-per-task)."""
-        job = self.resources(role)
+        job = self.resources(role, index)
         args = [f"--nodes={job.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
         args += [f"--cpus-per-task={job.cpus_per_task}"] if job.cpus_per_task else []
         return args + ([f"--gres=gpu:{job.gpus_per_node}"] if job.gpus_per_node > 0 else [])
 
-    def submitit_parameters(self, role: str) -> dict:
+    def submitit_parameters(self, role: str, index: int = 0) -> dict:
         """The same job for `submitit.AutoExecutor.update_parameters` (slurm_* keys are ignored by the local executor)."""
-        slurm, job = self.recipe.slurm, self.resources(role)
+        slurm, job = self.recipe.slurm, self.resources(role, index)
         params: dict = {"name": self.job_name(role), "nodes": job.nodes, "tasks_per_node": 1, "timeout_min": self.timeout_min}
-        specific = {"partition": slurm.partition, "account": slurm.account, "qos": slurm.qos,
+        specific = {"partition": self.partition(role, index), "account": slurm.account, "qos": slurm.qos,
                     "constraint": slurm.constraint, "mem": job.mem, "exclusive": slurm.exclusive or None,
                     "gres": f"gpu:{job.gpus_per_node}" if job.gpus_per_node > 0 else None}
         params.update({f"slurm_{key}": value for key, value in specific.items() if value is not None})
@@ -210,9 +231,11 @@ class SlurmPlan:
         return params
 
     # ----------------------------------------------------------- commands
-    def server_command(self, role: str, node_rank: Union[int, ShellVar], head: Union[str, ShellVar]) -> list[Word]:
-        """The command each node of a server job runs; `head` is the job's first node (SGLang's rendezvous)."""
-        server, nodes, port = self.spec(role), self.resources(role).nodes, self.port(role)
+    def server_command(self, role: str, node_rank: Union[int, ShellVar], head: Union[str, ShellVar],
+                       index: int = 0, port: Optional[int] = None) -> list[Word]:
+        """The command each node of server job `index` of a role runs; `head` is the job's first node (SGLang's
+        rendezvous); `port` the one the job took (default: the spec's)."""
+        server, nodes, port = self.spec(role), self.resources(role, index).nodes, port or self.port(role)
         common = ["--model-path", self.recipe.model_path(server), "--host", "0.0.0.0", "--port", port]
         if server.engine == "sglang":
             cmd: list[Word] = [sys.executable, "-m", "sglang.launch_server", *common,
@@ -235,9 +258,9 @@ class SlurmPlan:
             cmd += ["--config", key_file(self.files.run_dir)]
         return cmd + [str(a) for a in server.extra_args]
 
-    def trainer_command(self, node_rank: Union[int, ShellVar], main_addr: Union[str, ShellVar],
-                        urls: dict) -> list[Word]:
-        """`accelerate launch` of `open_r1_ext.train` on one node; `urls` maps the server roles to their URLs."""
+    def trainer_command(self, node_rank: Union[int, ShellVar], main_addr: Union[str, ShellVar]) -> list[Word]:
+        """`accelerate launch` of `open_r1_ext.train` on one node, its servers the replicas advertised in the address
+        directories of the roles this run starts (`--server-dir`, `--ref-dir`)."""
         recipe, job = self.recipe, self.recipe.slurm.trainer
         cmd: list[Word] = [sys.executable, "-m", "accelerate.commands.launch"]
         if recipe.accelerate_config:
@@ -248,10 +271,9 @@ class SlurmPlan:
         cmd += ["--num_machines", job.nodes, "--num_processes", job.num_processes, "--machine_rank", node_rank,
                 "--main_process_ip", main_addr, "--main_process_port", MAIN_PROCESS_PORT]
         cmd += ["-m", "open_r1_ext.train", *self.recipe_args()]
-        if SERVER in urls:
-            cmd += ["--server-url", urls[SERVER]]
-        if REF_SERVER in urls:
-            cmd += ["--ref-url", urls[REF_SERVER]]
+        for role, flag in ((SERVER, "--server-dir"), (REF_SERVER, "--ref-dir")):
+            if role in self.server_roles:
+                cmd += [flag, str(self.files.replica_dir(role))]
         return cmd
 
     def recipe_args(self) -> list[str]:
@@ -259,25 +281,32 @@ class SlurmPlan:
         return ["--config", self.recipe_path, *(f"--set={item}" for item in self.overrides)]
 
     # ------------------------------------------------------------- output
-    def _job_placeholders(self) -> tuple:
-        """What only the job knows, as placeholders for `describe`: its node rank, first node and the server URLs."""
-        urls = {role: ShellVar(f"{role_var(role)}_URL") for role in self.server_roles}
-        return ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE"), urls
+    def jobs_of(self, role: str) -> list[tuple[str, int]]:
+        """`(title, resources index)` of each job a launch submits for a role: one per replica of a server role
+        (`server job 2/3`), one trainer job."""
+        if role == TRAINER:
+            return [(f"{role} job", 0)]
+        replicas = self.spec(role).replicas
+        return [(f"{role} job" + (f" {i + 1}/{replicas}" if replicas > 1 else ""), i) for i in range(replicas)]
 
     def describe(self) -> str:
-        """What a launch would submit, for humans (`--dry-run`)."""
+        """What a launch would submit, for humans (`--dry-run`): every job, each replica's server job too."""
         lines = [f"run directory {self.files.run_dir}: logs in {self.files.logs}/, status in {self.files.status}"]
-        node, head, urls = self._job_placeholders()
+        node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")  # what only the job knows
         for role in self.roles:
-            job = self.resources(role)
-            what = (f"{job.num_processes} process(es)" if role == TRAINER
-                    else f"port {self.port(role)}, advertised in {self.files.addr(role)} once healthy")
-            command = (self.trainer_command(node, head, urls) if role == TRAINER
-                       else self.server_command(role, node, head))
-            lines += [f"{role} job: {job.nodes} node(s) x {job.gpus_per_node} GPU(s), {what}",
-                      f"  sbatch {' '.join(map(shlex.quote, self.sbatch_args(role)))}",
-                      f"  srun {' '.join(self.srun_args(role))} on each node:",
-                      f"    {shell_join(command)}"]
+            for title, index in self.jobs_of(role):
+                job = self.resources(role, index)
+                if role == TRAINER:
+                    what, command = f"{job.num_processes} process(es)", self.trainer_command(node, head)
+                else:
+                    spec = self.spec(role)
+                    what = (f"port {self.port(role)}, advertised in {self.files.replica_addr(role, '<job id>')} once "
+                            f"healthy; the trainer starts once {spec.min_replicas} of {spec.replicas} are")
+                    command = self.server_command(role, node, head, index)
+                lines += [f"{title}: {job.nodes} node(s) x {job.gpus_per_node} GPU(s), {what}",
+                          f"  sbatch {' '.join(map(shlex.quote, self.sbatch_args(role, index)))}",
+                          f"  srun {' '.join(self.srun_args(role, index))} on each node:",
+                          f"    {shell_join(command)}"]
         for name, spec in self.recipe.servers.specs().items():
             if not spec.started:
                 lines.append(f"{name} server: {spec.url} (given by the recipe; no server job)")

@@ -1,8 +1,9 @@
-"""`open-r1-ext launch`: a run's server job(s) and trainer job through submitit, on SLURM or as local processes.
+"""`open-r1-ext launch`: a run's server jobs (every replica) and trainer job through submitit, on SLURM or as local
+processes.
 
 The tasks are thin adapters of the job runtime (`jobs.py`, the same as under `slurm/*.slurm`): the trainer job
-cancels the servers at its end. The driver submits the servers, waits until they are healthy, submits the trainer
-and follows it; it cancels what it submitted only when the launch itself fails or is interrupted.
+cancels the servers at its end. The driver submits the servers, waits until `min_replicas` of each role are healthy,
+submits the trainer and follows it; it cancels what it submitted only when the launch itself fails or is interrupted.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 from submitit.local.local import LocalJob
 
 from open_r1_ext.launch.jobs import (SIGTERM_EXIT, JobContext, JobRef, JobWatch, LaunchError, cancel,
-                                     prepare_run_dir, raise_interrupt, record, run_server_job, run_trainer_job,
-                                     wait_for_server, write_jobs_file)
+                                     prepare_run_dir, raise_interrupt, read_jobs_file, record, register_jobs,
+                                     run_server_job, run_trainer_job, wait_for_replicas)
 from open_r1_ext.launch.recipe import Recipe
 from open_r1_ext.launch.slurm_plan import POLL_S, SUBMITIT, TRAINER, SlurmPlan
 
@@ -39,15 +40,15 @@ EXECUTORS: dict[str, ExecutorFactory] = {"slurm": slurm_executor, "local": local
 
 # ------------------------------------------------------------------------------------------ tasks
 class ServerTask:
-    """A server job: `run_server_job` on each of its nodes."""
+    """A server job (one replica, of resources entry `index`): `run_server_job` on each of its nodes."""
 
-    def __init__(self, plan: SlurmPlan, role: str):
-        self.plan, self.role = plan, role
+    def __init__(self, plan: SlurmPlan, role: str, index: int = 0):
+        self.plan, self.role, self.index = plan, role, index
 
     def __call__(self) -> int:
         ctx = JobContext.from_submitit()
         # a server job ends when it is cancelled (by its trainer job): that is no failure
-        code = run_server_job(self.plan, self.role, ctx)
+        code = run_server_job(self.plan, self.role, ctx, self.index)
         return _succeeded(code, f"{self.role} job {ctx.job_id}", ok=(0, SIGTERM_EXIT))
 
 
@@ -79,9 +80,9 @@ def _succeeded(code: int, job: str, ok: Sequence[int] = (0,)) -> int:
 # ----------------------------------------------------------------------------------------- launch
 def launch(recipe: Recipe, executor_factory: ExecutorFactory, overrides: Sequence[str] = (),
            echo: Callable[[str], None] = print) -> int:
-    """Run a validated recipe: servers, then the trainer; returns 0 when the trainer succeeded, else 1 (130 when
-    interrupted). Once submitted, the trainer job owns the run's end; until then a failed or interrupted launch
-    cancels what it submitted."""
+    """Run a validated recipe: every server replica, then the trainer once `min_replicas` of each role are healthy;
+    returns 0 when the trainer succeeded, else 1 (130 when interrupted). Once submitted, the trainer job owns the
+    run's end; until then a failed or interrupted launch cancels what it submitted."""
     plan = SlurmPlan(recipe, overrides)
     files = plan.files
     prepare_run_dir(plan)
@@ -91,15 +92,15 @@ def launch(recipe: Recipe, executor_factory: ExecutorFactory, overrides: Sequenc
     try:
         with _signals_as_interrupt():
             for role in plan.server_roles:
-                submitted.append(_submit(plan, role, executor_factory, ServerTask(plan, role), echo)[1])
-            if submitted:
-                write_jobs_file(files, submitted, SUBMITIT)
-            watch = JobWatch(submitted)
-            urls = {ref.role: wait_for_server(plan, ref, watch, echo) for ref in submitted}
+                for _, index in plan.jobs_of(role):
+                    task = ServerTask(plan, role, index)
+                    submitted.append(_submit(plan, role, index, executor_factory, task, echo)[1])
+                    register_jobs(files, submitted[-1:], plan, SUBMITIT)
+            urls = wait_for_replicas(plan, JobWatch(submitted), echo)
             echo(f"servers ready: {urls}")
-            trainer_job, trainer = _submit(plan, TRAINER, executor_factory, TrainerTask(plan), echo)
+            trainer_job, trainer = _submit(plan, TRAINER, 0, executor_factory, TrainerTask(plan), echo)
             submitted.append(trainer)
-            write_jobs_file(files, submitted, SUBMITIT)
+            register_jobs(files, [trainer], plan, SUBMITIT)
             return follow_trainer(plan, trainer_job, trainer, echo)
     except LaunchError as err:
         record(files, f"launch failed: {err}", echo)
@@ -113,17 +114,20 @@ def launch(recipe: Recipe, executor_factory: ExecutorFactory, overrides: Sequenc
 
 
 def _cancel_submitted(files, submitted: Sequence[JobRef], echo) -> None:
-    watch = JobWatch(submitted)
-    for ref in submitted:
+    """Cancel what the launch submitted, and any replica added to jobs.env meanwhile (`add-server`)."""
+    added = [ref for ref in read_jobs_file(files) if ref.job_id not in {s.job_id for s in submitted}]
+    watch = JobWatch([*submitted, *added])
+    for ref in watch.refs:
         if watch.alive(ref):
             cancel([ref])
             record(files, f"cancelled {ref}", echo)
 
 
-def _submit(plan: SlurmPlan, role: str, executor_factory: ExecutorFactory, task, echo) -> tuple[submitit.Job, JobRef]:
+def _submit(plan: SlurmPlan, role: str, index: int, executor_factory: ExecutorFactory, task,
+            echo) -> tuple[submitit.Job, JobRef]:
     executor = executor_factory(plan.files.logs / role)
     try:
-        executor.update_parameters(**plan.submitit_parameters(role))
+        executor.update_parameters(**plan.submitit_parameters(role, index))
     except ValueError as err:
         raise LaunchError(f"{role} job: {err}") from err
     job = executor.submit(task)
@@ -182,5 +186,6 @@ def _signals_as_interrupt() -> Iterator[None]:
 def describe_launch(plan: SlurmPlan) -> str:
     """`--dry-run`: each job's sbatch options and commands, and the submitit parameters the launcher would use."""
     lines = [plan.describe()]
-    lines += [f"submitit parameters of the {role} job: {plan.submitit_parameters(role)}" for role in plan.roles]
+    lines += [f"submitit parameters of the {title}: {plan.submitit_parameters(role, index)}"
+              for role in plan.roles for title, index in plan.jobs_of(role)]
     return "\n".join(lines)

@@ -87,9 +87,8 @@ def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str]
     with servers(recipe, server_url, ref_url) as (generation_url, ref_model_url):
         args = recipe.trainer_config(generation_url=generation_url, ref_model_url=ref_model_url,
                                      api_key=read_run_key(recipe, output_dir))
-        trainer = RemoteGRPOTrainer(
-            model=recipe.model.name_or_path, reward_funcs=reward_funcs, args=args, train_dataset=dataset
-        )
+        trainer = RemoteGRPOTrainer(model=recipe.model.name_or_path, reward_funcs=reward_funcs, args=args,
+                                    train_dataset=dataset, peft_config=recipe.model.peft_config())
         # One readable line per step (StepPrinter) instead of tqdm bars and metric dicts, for terminals and SLURM logs.
         trainer.remove_callback(ProgressCallback)
         trainer.remove_callback(PrinterCallback)
@@ -172,12 +171,13 @@ def embedded_server(recipe: Recipe, role: str, spec: ServerSpec, threads: Option
     log.parent.mkdir(parents=True, exist_ok=True)
     model_path = recipe.model_path(spec)
     logger.info("starting an embedded built-in %s server on %s (log: %s)", role, model_path, log)
-    no_ref_slot = () if recipe.servers.ref_slot(role) else ("--no-ref-slot",)
+    no_ref_slot = () if recipe.ref_slot(role) else ("--no-ref-slot",)
+    lora = recipe.model.lora_server_flags() if role == "generation" else []
     key = key_file(Path(recipe.output_dir))
     keyed = ("--config", str(key)) if key.is_file() else ()
     threaded = ("--num-threads", str(threads)) if threads else ()
     return BuiltinServer(model_path, log_path=str(log), deterministic=spec.deterministic,
-                         extra_args=("--dtype", spec.dtype, *no_ref_slot, "--weight-dirs", recipe.sync_dir, *keyed,
+                         extra_args=("--dtype", spec.dtype, *no_ref_slot, *lora, "--weight-dirs", recipe.sync_dir, *keyed,
                                      *threaded, *map(str, spec.extra_args)))
 
 

@@ -5,6 +5,8 @@ partitioned, weight dumps in buckets smaller than one layer. Each rank records t
     python -m tests.zero3_dump MODEL OUTPUT_DIR dump        one step at learning rate 0, then one dump
     python -m tests.zero3_dump MODEL OUTPUT_DIR train URL   3 steps against the server at URL, a checkpoint every
                                                             step, resuming from the last one when there is one
+    python -m tests.zero3_dump MODEL OUTPUT_DIR lora        a LoRA policy: one step, then an adapter-only dump;
+                                                            rank 0 writes the adapter gathered whole beside it
 
 Faults injected by the test, named as such: in `dump` mode, a second dump (step 2) in which rank 1's first shard
 write raises ENOSPC (each rank writes the error it got to `<output_dir>/failed-<rank>.txt`); with
@@ -75,6 +77,28 @@ if mode == "dump":
     except weight_sync.WeightDumpError as err:
         failure = str(err)
     (output_dir / f"failed-{rank}.txt").write_text(failure)
+elif mode == "lora":
+    import deepspeed
+    import peft
+    from safetensors.torch import save_file
+
+    args = tiny_config(output_dir, max_steps=1, per_device_train_batch_size=2, deepspeed=zero3, beta=0.0,
+                       learning_rate=5e-2, bucket_mb=BUCKET_MB / 20)  # 1 kB: the adapter's 28 tensors in many buckets
+    trainer = RemoteGRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
+                                peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    trainer.train()
+    trainer.weight_sync.adapter_only = True  # as with a generation server (this run generates on the trainer)
+    path = trainer.weight_sync.dump(trainer.model, 1)
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    lora = [p for n, p in unwrapped.named_parameters() if "lora_" in n]
+    with deepspeed.zero.GatheredParameters(lora, modifier_rank=None):  # the unsharded adapter, all at once
+        whole = {k: v.clone() for k, v in peft.get_peft_model_state_dict(unwrapped).items()}
+    if trainer.accelerator.is_main_process:
+        save_file(whole, str(output_dir / "whole.safetensors"))
+        report = {"path": str(path), "local_numel": sum(p.numel() for p in lora),
+                  "full_numel": sum(p.ds_numel for p in lora), "buckets": len(weight_sync.AdapterWeights(
+                      trainer.accelerator, trainer.model, trainer.weight_sync.bucket_bytes).buckets)}
+        (output_dir / "zero3.json").write_text(json.dumps(report))
 else:
     args = tiny_config(output_dir, max_steps=3, per_device_train_batch_size=2, deepspeed=zero3, beta=0.0,
                        generation_url=sys.argv[4], bucket_mb=BUCKET_MB, save_strategy="steps", save_steps=1,

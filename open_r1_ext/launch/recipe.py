@@ -46,13 +46,57 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+ALL_LINEAR = "all-linear"  # peft's lora_target_modules for every linear layer but the output head
+
+
+def _trl_model_default(name: str):
+    """A default factory reading TRL's `ModelConfig` default of `name`: the one place it lives."""
+
+    def default() -> Any:
+        from trl import ModelConfig
+
+        return ModelConfig.__dataclass_fields__[name].default
+
+    return default
+
+
 class ModelSection(Section):
-    """The policy: `name_or_path` is a hub id (`org/name`) or a local directory (`/...`, `./...`, `../...`)."""
+    """The policy: `name_or_path` is a hub id (`org/name`) or a local directory (`/...`, `./...`, `../...`).
+
+    `use_peft` trains a LoRA adapter (TRL's `ModelConfig` names and defaults: `lora_r`, `lora_alpha`, `lora_dropout`,
+    `lora_target_modules`); weight syncs then ship the adapter alone and the servers keep the base model."""
 
     name_or_path: str
     dtype: DType = "auto"
     attn_implementation: Optional[str] = None
     trust_remote_code: bool = False
+    use_peft: bool = Field(default_factory=_trl_model_default("use_peft"))
+    lora_r: int = Field(default_factory=_trl_model_default("lora_r"), ge=1)
+    lora_alpha: int = Field(default_factory=_trl_model_default("lora_alpha"), ge=1)
+    lora_dropout: float = Field(default_factory=_trl_model_default("lora_dropout"), ge=0.0, lt=1.0)
+    lora_target_modules: Optional[Union[str, list[str]]] = Field(default_factory=_trl_model_default("lora_target_modules"))
+
+    def peft_config(self):
+        """TRL's `get_peft_config` of these settings (a `peft.LoraConfig`), or None without `use_peft`."""
+        if not self.use_peft:
+            return None
+        from trl import ModelConfig, get_peft_config
+
+        model_args = ModelConfig(model_name_or_path=self.name_or_path, use_peft=True, lora_r=self.lora_r,
+                                 lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout)
+        model_args.lora_target_modules = self.lora_target_modules  # as given: TRL's __post_init__ turns a list of one
+        return get_peft_config(model_args)  # name into a string, which peft reads as a regular expression
+
+    def lora_server_flags(self) -> list[str]:
+        """The start flags a server needs to load this run's adapters (SGLang's, which the built-in server shares;
+        none without `use_peft`). Where peft picks the modules (`all-linear`, or unset: its default for the model
+        type), the server takes them `all`."""
+        if not self.use_peft:
+            return []
+        modules = self.lora_target_modules
+        named = [modules] if isinstance(modules, str) else modules
+        modules = named if named and named != [ALL_LINEAR] else ["all"]
+        return ["--enable-lora", "--max-lora-rank", str(self.lora_r), "--lora-target-modules", *modules]
 
 
 class DataSection(Section):
@@ -184,11 +228,6 @@ class Servers(Section):
         roles = {"generation": self.generation, "reference": self.reference}
         return {role: spec for role, spec in roles.items() if isinstance(spec, ServerSpec)}
 
-    def ref_slot(self, role: str) -> bool:
-        """Whether `role`'s built-in server keeps its second model slot (`/ref`): only the generation server that the
-        reference lives in; any other starts with `--no-ref-slot`, holding no second copy of the model."""
-        return role == "generation" and self.reference == "generation"
-
     def describe(self) -> str:
         """`generation on a builtin server, reference in the generation server`: for humans."""
         parts = []
@@ -262,13 +301,20 @@ class Recipe(Section):
         """A `RemoteGRPOConfig` field as the recipe sets it (`trainer:` or `sync:`), else the config's default."""
         return self.trainer.get(name, self.sync.get(name, _config_defaults()[name]))
 
+    def ref_slot(self, role: str) -> bool:
+        """Whether `role`'s built-in server keeps its second model slot (`/ref`): only the generation server that the
+        reference lives in, and not with `use_peft` (the reference is then its base model, served without an
+        adapter); any other starts with `--no-ref-slot`, holding no second copy of the model."""
+        return role == "generation" and self.servers.reference == "generation" and not self.model.use_peft
+
     def role_urls(self, generation_url: Optional[str], ref_url: Optional[str]) -> tuple[Optional[str], Optional[str]]:
         """`(generation_url, ref_model_url)` from the servers' URLs. A reference in the built-in generation server is
-        its second model slot (`/ref`), so syncing the policy leaves it alone."""
+        its second model slot (`/ref`), so syncing the policy leaves it alone; with `use_peft` it is the server's base
+        model (requests without an adapter)."""
         generation, reference = self.servers.generation, self.servers.reference
         if reference == "generation":
-            on_builtin = isinstance(generation, ServerSpec) and generation.engine == "builtin" and generation_url
-            return generation_url, f"{generation_url.rstrip('/')}/ref" if on_builtin else generation_url
+            in_slot = isinstance(generation, ServerSpec) and generation.engine == "builtin" and generation_url
+            return generation_url, f"{generation_url.rstrip('/')}/ref" if in_slot and self.ref_slot("generation") else generation_url
         return generation_url, ref_url if isinstance(reference, ServerSpec) else None
 
     def trainer_config(self, generation_url: Optional[str] = None, ref_model_url: Optional[str] = None,
@@ -540,6 +586,7 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
         _check_data(recipe.data, problems)
         _check_context(recipe, problems)
     _check_rewards(recipe, problems)
+    _check_lora(recipe, problems)
     _check_values(recipe, problems)
     _check_servers(recipe, problems)
     _check_batch(recipe, problems)
@@ -579,6 +626,25 @@ def _check_rewards(recipe: Recipe, problems: list) -> None:
         except Exception as err:  # noqa: BLE001 - the user's module failed while importing
             problems.append((key, f"importing {reward.name.partition(':')[0]} failed: {type(err).__name__}: {err}; "
                                   "fix the module (run: python -c 'import MODULE')"))
+
+
+def _check_lora(recipe: Recipe, problems: list) -> None:
+    """`model.use_peft`: peft is installed, and the reference is not synced (it is the base model, which never
+    changes: TRL refuses the same)."""
+    if not recipe.model.use_peft:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        problems.append(("model.use_peft", "needs the peft library, which is not installed: pip install peft"))
+    if recipe.setting("sync_ref_model"):
+        problems.append(("sync.sync_ref_model", "with model.use_peft the reference is the base model (the policy without "
+                                                "its adapter), which never changes: set it to false"))
+    modules = recipe.model.lora_target_modules
+    if isinstance(modules, str) and modules != ALL_LINEAR:
+        problems.append(("model.lora_target_modules", f"{modules!r}: peft reads a string as a regular expression, which "
+                                                      "a server's --lora-target-modules cannot take: give a list of "
+                                                      f"module names (e.g. [q_proj, v_proj]) or {ALL_LINEAR}"))
 
 
 # Settings TRL and transformers accept at start-up that fail or do nothing later: (test, what the value must be)
@@ -701,7 +767,7 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
             problems.append(("servers.reference", "`generation` is a slot of the generation server, and generation: local "
                                                   "runs none: give the reference a server of its own ({engine: builtin}) "
                                                   "or set local"))
-        elif generation.engine == "sglang" and beta != 0.0:
+        elif generation.engine == "sglang" and beta != 0.0 and not recipe.model.use_peft:
             problems.append(("servers.reference", "an SGLang server holds one model, and weight sync changes it to the "
                                                   "policy: give the reference a server of its own (reference: {engine: "
                                                   "sglang, ...}) or set local"))

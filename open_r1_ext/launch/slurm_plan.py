@@ -249,9 +249,11 @@ class SlurmPlan:
                         "--dist-init-addr", (head, f":{port + DIST_INIT_PORT_OFFSET}")]
         else:
             cmd = [sys.executable, "-m", "open_r1_ext.server", *common, "--dtype", server.dtype]
-            cmd += [] if self.recipe.servers.ref_slot(SERVER_ROLES[role]) else ["--no-ref-slot"]
+            cmd += [] if self.recipe.ref_slot(SERVER_ROLES[role]) else ["--no-ref-slot"]
         if server.deterministic:
             cmd.append(DETERMINISTIC_FLAG)
+        if SERVER_ROLES[role] == "generation":  # model.use_peft: the server loads the policy's adapters (dynamic LoRA)
+            cmd += self.recipe.model.lora_server_flags()
         if server.engine == "builtin":  # /update_weights_from_disk reads only this run's dumps (SGLang has no such flag)
             cmd += ["--weight-dirs", self.recipe.sync_dir]
         if uses_key(self.recipe):  # the run's key, from its owner-only file: never on the command line (run_key.py)

@@ -2,16 +2,19 @@
 `generate()`, `sync_weights()`, `batches()` and `close()`. `RemoteGeneration` samples a batch when the trainer asks;
 `AsyncRemoteGeneration` reads batches ahead and samples them on a rollout thread while the current step trains.
 Both own the generation server's client, its weight-sync target, the per-sample seeds, the context-length check
-and the staleness log. A user's `rollout_func` and TRL's tool loop call `generate()` for each turn.
+and the staleness log; with adapter-only LoRA sync, the name of the adapter each request samples with. A user's
+`rollout_func` and TRL's tool loop call `generate()` for each turn.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import random
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -19,11 +22,14 @@ from typing import Any, Callable, Iterator, Optional
 
 from open_r1_ext.openai_client import OpenAICompletionsClient
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, Completion, sampling_params
-from open_r1_ext.sglang_client import SGLangClient
+from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
 from open_r1_ext.trainer.config import RemoteGRPOConfig
-from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError
+from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, adapter_name
 
 logger = logging.getLogger(__name__)
+# A process other than the main one that names an adapter the server does not hold waits for the main process to
+# load it (it is a sync behind, or reloading after a server restart): these waits, 91 s in all, as the client's.
+ADAPTER_WAITS_S = (1, 2, 4, 8, 16, 30, 30)
 
 
 def server_client(args: RemoteGRPOConfig, url: str) -> SGLangClient:
@@ -64,7 +70,8 @@ class RemoteGeneration:
         self.weight_sync = weight_sync
         self.target: Optional[SyncTarget] = None
         if trainer.args.weight_sync_steps > 0:
-            self.target = SyncTarget("generation", getattr(client, "http", client))
+            self.target = SyncTarget("generation", getattr(client, "http", client), adapter=weight_sync.adapter_only,
+                                     keep_adapters=self.adapters_in_use())
             weight_sync.targets.append(self.target)
         self._weights_checked = False
         self.context_length: Optional[int] = None  # read by `read_context_length` at start-up
@@ -124,6 +131,11 @@ class RemoteGeneration:
     def close(self) -> None:
         """End of `train()`."""
 
+    def adapters_in_use(self) -> int:
+        """How many of the newest LoRA adapters requests may still name: one, since every process switches to a
+        new adapter at the sync itself, with no request in flight."""
+        return 1
+
     # -------------------------------------------------------------- shared
     def ensure_weights(self) -> None:
         """At the first generation of this process, make the server hold the trainer's weights (e.g. on resume)."""
@@ -134,7 +146,9 @@ class RemoteGeneration:
         stale = None
         if trainer.accelerator.is_main_process:
             reported = self.target.client.weight_version()
-            stale = trainer.state.global_step > 0 or reported not in (None, DEFAULT_WEIGHT_VERSION, "0")
+            # a server of adapters keeps its base weights: only a resumed run has an adapter to load
+            foreign = not self.target.adapter and reported not in (None, DEFAULT_WEIGHT_VERSION, "0")
+            stale = trainer.state.global_step > 0 or foreign
             if not stale:
                 self.target.version = reported
         if self.weight_sync.broadcast_from_main(stale):
@@ -149,7 +163,10 @@ class RemoteGeneration:
 
         def generate() -> list[Completion]:
             with self.trainer.step_timer.part("generate"):  # async: on the rollout thread, beside the step
-                completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
+                if self.target is not None and self.target.adapter:
+                    completions = self._sample_with_adapter(unique, sampling, n, seeds)
+                else:
+                    completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
                 target = self.target
                 if target is not None and any(version_number(c.weight_version) < version_number(target.version)
                                               for c in completions if c.weight_version is not None):
@@ -159,6 +176,30 @@ class RemoteGeneration:
             return completions
 
         return generate
+
+    def _sample_with_adapter(self, prompts, sampling: dict, n: int, seeds: list[int]) -> list[Completion]:
+        """Sample with the newest adapter this process knows the server holds (`lora_path`; none before the first
+        sync: the policy is then the base model); each completion's weight version is that adapter's. A server that
+        answers it does not hold the adapter lost it (restarted): the main process loads it again, another waits for
+        that."""
+        target, main = self.target, self.trainer.accelerator.is_main_process
+        for wait in (*ADAPTER_WAITS_S, None):
+            version = target.version if target.step is not None else None
+            name = adapter_name(version) if version is not None else None
+            try:
+                groups = self.client.generate(prompts, sampling, n=n, seeds=seeds, lora_path=name)
+            except ServerRequestError as err:
+                if name is None or name not in str(err) or wait is None:
+                    raise
+                logger.warning("generation server: %s (restarted?); %s", err,
+                               "loading it again" if main else f"waiting {wait} s for the main process to load it")
+                if main:
+                    self.weight_sync.repush(target)
+                else:
+                    time.sleep(wait)
+                continue
+            return [dataclasses.replace(c, weight_version=version) if version is not None else c
+                    for group in groups for c in group]
 
     def _fitting(self, prompts: list[list[int]], sampling: dict) -> dict:
         """`sampling`, checked to fit the server's context (SGLang answers 400 to a prompt + `max_new_tokens` past it,
@@ -267,9 +308,18 @@ class AsyncRemoteGeneration(RemoteGeneration):
         path = self.weight_sync.dump(self.trainer.model, step)  # raises WeightDumpError on every rank
         if references and (error := self.weight_sync.publish(references, path, step)) is not None:
             raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
-        self.weight_sync.share_state([self.target])
+        if not self.target.adapter:
+            self.weight_sync.share_state([self.target])
         if self.trainer.accelerator.is_main_process:
             self.rollouts.submit(lambda: self._push_logged(path, step))
+        elif self.target.adapter:  # requests name the adapter from here on in this process's queue, as on the main one
+            self.rollouts.submit(lambda: self.weight_sync.confirm([self.target], path, step))
+
+    def adapters_in_use(self) -> int:
+        """The newest `max_weight_staleness + 1` LoRA adapters: a process's rollout thread switches to a new adapter
+        in its own queue, after generating the batches read ahead before the sync; by the sync `max_weight_staleness`
+        steps later, every process has generated them."""
+        return self.trainer.args.max_weight_staleness + 1
 
     def _push_logged(self, path: Path, step: int) -> None:
         try:

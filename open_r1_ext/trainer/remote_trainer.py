@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
@@ -79,11 +80,15 @@ class RemoteGRPOTrainer(GRPOTrainer):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         finally:
             args.beta, args.sync_ref_model = beta, sync_ref_model
+        if sync_ref_model and is_peft_model(self.model):  # TRL's own refusal, which hiding the setting skipped
+            raise ValueError("sync_ref_model=True with a PEFT policy: the reference is the base model (the adapter "
+                             "disabled, or a server's base weights), which never changes; set sync_ref_model=False")
         self.beta = beta
         self.step_timer = StepTimer(PARTS)  # its parts are narrowed to this run's once the servers are known
 
         self.weight_sync = WeightSync(self.accelerator, args.sync_dir, args.keep_last_dumps,
-                                      f"{args.output_dir}/weight_sync.jsonl", targets=[], bucket_mb=args.bucket_mb)
+                                      f"{args.output_dir}/weight_sync.jsonl", targets=[], bucket_mb=args.bucket_mb,
+                                      adapter_only=syncs_adapter(self.model, args))
         self.ref_client = server_client(args, args.ref_model_url) if remote_reference else None
         self.reference_target = None
         if remote_reference:
@@ -359,6 +364,21 @@ class WeightSyncCallback(TrainerCallback):
         self.previous_epoch = state.epoch
         if generation_due or references:
             trainer.sync_weights(generation_due, references)
+
+
+def syncs_adapter(model, args: RemoteGRPOConfig) -> bool:
+    """Whether weight syncs ship a PEFT policy's LoRA adapter alone, loaded by the generation server beside its base
+    weights (SGLang's dynamic LoRA); else (no PEFT, or an OpenAI-compatible server) the merged weights are dumped."""
+    if not (is_peft_model(model) and args.generation_url and args.generation_backend == "sglang"):
+        return False
+    from peft import LoraConfig
+
+    config = model.active_peft_config
+    if not isinstance(config, LoraConfig) or config.use_dora or config.modules_to_save:
+        raise ValueError("adapter-only weight sync (a PEFT policy, generation on an SGLang-protocol server) loads plain "
+                         f"LoRA adapters, not this {type(config).__name__} (DoRA or modules_to_save included): use a "
+                         "LoraConfig without use_dora and modules_to_save")
+    return True
 
 
 def reference_sync_due(args: RemoteGRPOConfig, step: int, previous_epoch: float, epoch: float) -> bool:

@@ -6,7 +6,10 @@ at most `bucket_mb` (gathered bucket by bucket under DeepSpeed ZeRO-3, a collect
 every rank writes its share of the shards into one temporary directory; the main process publishes it (one rename,
 see `weight_files`) once all are written, calls `/update_weights_from_disk` on each target server and checks the
 version it then reports. Outcomes are shared, so every rank stops together, with the same message, on a failure
-anywhere, instead of hanging at a barrier; a failed dump is removed, never published.
+anywhere, instead of hanging at a barrier; a failed dump is removed, never published. With `adapter_only` (a LoRA
+policy) the dump is the adapter alone, a PEFT directory (`adapter_model.safetensors`, `adapter_config.json`,
+manifest) read in the same buckets, and a target with `adapter` loads it under the name `policy-v<N>`
+(`/load_lora_adapter`), unloading the names it no longer needs.
 
 The dump is published (renamed into place) before it is sealed. Once the servers confirmed it, a background thread
 seals it (checksums into its manifest, fsync) while training goes on, not during the reload (a concurrent flush
@@ -18,6 +21,7 @@ the log, what a resumed run reloads (after checking the checksums), names only s
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -25,7 +29,7 @@ import shutil
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -37,6 +41,7 @@ from open_r1_ext.weight_files import (WeightFileError, check_manifest, is_disk_f
 
 logger = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # as `PeftModel.save_pretrained`
 DEFAULT_BUCKET_MB = 1024.0  # `sync.bucket_mb` (RemoteGRPOConfig.bucket_mb)
 
 
@@ -59,7 +64,10 @@ def describe_write_error(path: Path, error: BaseException, where: str = "") -> s
 
 @dataclass
 class SyncTarget:
-    """A server that reloads the policy: its role, client, soft-update alpha, and what it last confirmed."""
+    """A server that reloads the policy: its role, client, soft-update alpha, and what it last confirmed.
+
+    With `adapter`, it loads adapter dumps under versioned names instead of replacing its weights, keeping the
+    newest `keep_adapters` of the names it loaded (`loaded`, oldest first) and unloading older ones."""
 
     role: str
     client: SGLangClient
@@ -67,9 +75,17 @@ class SyncTarget:
     version: Optional[str] = None
     path: Optional[Path] = None
     step: Optional[int] = None
+    adapter: bool = False
+    keep_adapters: int = 1
+    loaded: list[str] = field(default_factory=list)
 
     def version_for(self, step: int) -> str:
         return str(step) if self.role == "generation" else f"ref-{step}"
+
+
+def adapter_name(version: str) -> str:
+    """The name a LoRA adapter dump of weight version `version` is loaded and sampled under."""
+    return f"policy-v{version}"
 
 
 @dataclass
@@ -94,6 +110,7 @@ class PolicyWeights:
         plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         self.zero3 = plugin is not None and plugin.zero_stage == 3
         self.peft = hasattr(unwrapped, "get_base_model")
+        self.peft_model = unwrapped
         self.model = unwrapped.get_base_model() if self.peft else unwrapped
         self.tensors = self._tensors()
         self.buckets = self._plan(bucket_bytes)
@@ -137,24 +154,26 @@ class PolicyWeights:
     def gathered(self, bucket: Bucket, read: bool) -> Iterator[dict[str, torch.Tensor]]:
         """The bucket's tensors on CPU under their served names (when `read`; else `{}`), gathered under ZeRO-3 for
         the time of the block (every rank enters it, reading or not)."""
-        layers = {name: self._lora_layer(name) for name in bucket.names}
         gather = contextlib.nullcontext()
         if self.zero3:
             import deepspeed
 
-            params = [self.tensors[n] for n in bucket.names if isinstance(self.tensors[n], torch.nn.Parameter)]
-            params += [p for layer in layers.values() if layer is not None
-                       for n, p in layer.named_parameters() if "lora_" in n]
-            gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+            gather = deepspeed.zero.GatheredParameters(self._gathered_params(bucket), modifier_rank=None)
         with gather, torch.no_grad():
-            if not read:
-                yield {}
-                return
-            from transformers.core_model_loading import revert_weight_conversion
+            yield self._read(bucket) if read else {}
 
-            # the checkpoint's names and layout where transformers converts on load (e.g. fused experts); else as is
-            yield revert_weight_conversion(self.model, {served_name(name): self._served(self.tensors[name], layers[name])
-                                                        for name in bucket.names})
+    def _gathered_params(self, bucket: Bucket) -> list[torch.nn.Parameter]:
+        """What a bucket gathers under ZeRO-3: its parameters and the LoRA parameters merged into them."""
+        params = [self.tensors[n] for n in bucket.names if isinstance(self.tensors[n], torch.nn.Parameter)]
+        return params + [p for name in bucket.names if (layer := self._lora_layer(name)) is not None
+                         for n, p in layer.named_parameters() if "lora_" in n]
+
+    def _read(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        # the checkpoint's names and layout where transformers converts on load (e.g. fused experts); else as is
+        served = {served_name(name): self._served(self.tensors[name], self._lora_layer(name)) for name in bucket.names}
+        return revert_weight_conversion(self.model, served)
 
     @staticmethod
     def _served(tensor: torch.Tensor, layer) -> torch.Tensor:
@@ -163,6 +182,37 @@ class PolicyWeights:
                 if adapter in layer.lora_A:
                     tensor = tensor + layer.get_delta_weight(adapter)
         return tensor.detach().to("cpu").contiguous()
+
+
+class AdapterWeights(PolicyWeights):
+    """The active LoRA adapter of a PEFT policy alone, read one bucket at a time like the policy (gathered under
+    ZeRO-3), under the names `PeftModel.save_pretrained` writes (peft's `get_peft_model_state_dict`), so that peft's
+    and SGLang's loaders read the dump."""
+
+    def __init__(self, accelerator, model, bucket_bytes: int):
+        self.adapter = accelerator.unwrap_model(model).active_adapter
+        super().__init__(accelerator, model, bucket_bytes)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {name: param for name, param in self.peft_model.named_parameters()
+                if "lora_" in name and f".{self.adapter}." in name}
+
+    def _gathered_params(self, bucket: Bucket) -> list[torch.nn.Parameter]:
+        return [self.tensors[name] for name in bucket.names]
+
+    def _read(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        # copies: under ZeRO-3 the gathered storage goes with the bucket, and the file is written after the last one
+        tensors = {name: self.tensors[name].detach().to("cpu", copy=True).contiguous() for name in bucket.names}
+        return get_peft_model_state_dict(self.peft_model, state_dict=tensors, adapter_name=self.adapter,
+                                         save_embedding_layers=False)
+
+    def save_config(self, directory: Path) -> None:
+        """`adapter_config.json`, as `PeftModel.save_pretrained` writes it (for inference)."""
+        config = copy.copy(self.peft_model.peft_config[self.adapter])
+        config.inference_mode = True
+        config.save_pretrained(str(directory))
 
 
 def shard_writer(index: int, world: int) -> int:
@@ -189,8 +239,9 @@ class WeightSync:
     """Dumps and pushes the policy to servers; see the module docstring."""
 
     def __init__(self, accelerator, sync_dir: str, keep_last_dumps: int, log_path: str, targets: list[SyncTarget],
-                 reload_attempts: int = 3, bucket_mb: float = DEFAULT_BUCKET_MB):
+                 reload_attempts: int = 3, bucket_mb: float = DEFAULT_BUCKET_MB, adapter_only: bool = False):
         self.accelerator = accelerator
+        self.adapter_only = adapter_only  # dump a PEFT policy's adapter alone (`AdapterWeights`), not merged weights
         self.targets = targets
         self.sync_dir = Path(sync_dir)
         self.keep_last_dumps = keep_last_dumps
@@ -242,8 +293,9 @@ class WeightSync:
             except OSError as err:
                 error = describe_write_error(path, err)
         tmp, error = self.broadcast_from_main((tmp, error))
-        weights = PolicyWeights(self.accelerator, model, self.bucket_bytes)
-        written, error = ({}, error) if error is not None else self._write_shards(weights, tmp, path)
+        weights = (AdapterWeights if self.adapter_only else PolicyWeights)(self.accelerator, model, self.bucket_bytes)
+        write = self._write_adapter if self.adapter_only else self._write_shards
+        written, error = ({}, error) if error is not None else write(weights, tmp, path)
         outcomes = self.gather([(written, error)])
         if self.accelerator.is_main_process:
             error = next((e for _, e in outcomes if e is not None), None)
@@ -281,8 +333,26 @@ class WeightSync:
                 tensors.clear()  # on CPU they share the gathered storage: let it go with the gather, not a bucket later
         return written, error
 
+    def _write_adapter(self, weights: AdapterWeights, tmp: Path, path: Path) -> tuple[dict[str, str], Optional[str]]:
+        """The main process writes the adapter as one file (`ADAPTER_FILE`, what peft and SGLang load), its buckets
+        read in turn; under ZeRO-3 every rank gathers each bucket (a collective), also after a failure here."""
+        main, tensors, error = self.accelerator.is_main_process, {}, None
+        for bucket in weights.buckets:
+            with weights.gathered(bucket, read=main) as part:
+                tensors.update(part)
+        if main:
+            try:
+                write_shard(tmp / ADAPTER_FILE, tensors)
+            except Exception as err:  # noqa: BLE001 - as in _write_shards: the dump fails, cleanly
+                error = describe_write_error(path, err, ADAPTER_FILE)
+        return {}, error
+
     def _finish(self, model, weights: PolicyWeights, tmp: Path, path: Path, weight_map: dict[str, str]) -> None:
         """Main process, once every shard is written: index, config files, manifest, rename."""
+        if isinstance(weights, AdapterWeights):
+            weights.save_config(tmp)
+            publish(tmp, path)
+            return
         base = weights.model
         write_index(tmp, weight_map, weights.nbytes)
         base.config.dtype = str(base.dtype).split(".")[1]  # as save_pretrained records them
@@ -357,15 +427,13 @@ class WeightSync:
         """Have `target` reload `path` and confirm `version`, else `WeightSyncError`. Retried only while the server
         answers (a refusal, another version); a server that does not answer has had the client's whole retry budget
         (`sglang_client.DEFAULT_MAX_RETRIES`), which is not spent again here."""
-        extra = {} if target.mixup_alpha in (None, 1.0) else {"mixup_alpha": target.mixup_alpha}
+        load = self._load_adapter if target.adapter else self._load_weights
         last = None
         for attempt in range(1, self.reload_attempts + 1):
             try:
-                target.client.update_weights_from_disk(str(path.resolve()), weight_version=version, **extra)
-                reported = target.client.weight_version()
-                if reported == version:
+                last = load(target, path, version)
+                if last is None:
                     return
-                last = f"the server reports weight_version {reported!r}, expected {version!r}"
             except ServerRequestError as err:
                 last = str(err)
             except ServerError as err:
@@ -374,6 +442,31 @@ class WeightSync:
             if attempt < self.reload_attempts:
                 time.sleep(float(attempt))
         raise WeightSyncError(f"the {target.role} server did not take the new weights: {last}")
+
+    @staticmethod
+    def _load_weights(target: SyncTarget, path: Path, version: str) -> Optional[str]:
+        """`/update_weights_from_disk`; None once the server reports `version`, else what it reports."""
+        extra = {} if target.mixup_alpha in (None, 1.0) else {"mixup_alpha": target.mixup_alpha}
+        target.client.update_weights_from_disk(str(path.resolve()), weight_version=version, **extra)
+        reported = target.client.weight_version()
+        return None if reported == version else f"the server reports weight_version {reported!r}, expected {version!r}"
+
+    @staticmethod
+    def _load_adapter(target: SyncTarget, path: Path, version: str) -> None:
+        """`/load_lora_adapter` of `path` under `adapter_name(version)`, after unloading that name (left loaded when
+        a stopped run resumes at that step with the server still up: SGLang refuses a name twice); then the names
+        beyond the newest `keep_adapters` are unloaded (SGLang lets their requests in flight finish first)."""
+        name = adapter_name(version)
+        with contextlib.suppress(ServerRequestError):  # not loaded: the usual case
+            target.client.unload_lora_adapter(name)
+        target.client.load_lora_adapter(name, str(path.resolve()))
+        target.loaded = [n for n in target.loaded if n != name] + [name]
+        while len(target.loaded) > target.keep_adapters:
+            old = target.loaded.pop(0)
+            try:
+                target.client.unload_lora_adapter(old)
+            except ServerError as err:  # housekeeping: the new adapter is loaded, training goes on
+                logger.warning("%s server: could not unload the LoRA adapter %s: %s", target.role, old, err)
 
     def repush(self, target: SyncTarget) -> None:
         """Reload the last confirmed dump (after a server restart lost it, or on resume); any rank may call it.

@@ -230,7 +230,7 @@ def test_base_weight_reloads_keep_the_adapters(lora_server, weights, models, tin
 @pytest.mark.parametrize("flags, words", [
     (["--enable-lora"], "--enable-lora needs both --max-lora-rank and --lora-target-modules"),
     (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all", "q_proj"], "'all' must be the only"),
-    (["--max-lora-rank", "8"], "--max-lora-rank take effect only with --enable-lora"),
+    (["--max-lora-rank", "8"], "--max-lora-rank takes effect only with --enable-lora"),
     (["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "attn"], "invalid choice: 'attn'"),
 ])
 def test_lora_flags_are_checked_at_start(flags, words, capsys):

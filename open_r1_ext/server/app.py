@@ -794,7 +794,7 @@ def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         given = [flag for flag, value in (("--max-lora-rank", args.max_lora_rank),
                                           ("--lora-target-modules", args.lora_target_modules)) if value is not None]
         if given:
-            parser.error(f"{' and '.join(given)} take effect only with --enable-lora")
+            parser.error(f"{' and '.join(given)} {'take' if len(given) > 1 else 'takes'} effect only with --enable-lora")
         return
     if args.max_lora_rank is None or not args.lora_target_modules:
         parser.error("--enable-lora needs both --max-lora-rank and --lora-target-modules (as SGLang when it starts "

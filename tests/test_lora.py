@@ -2,7 +2,6 @@
 that peft and the servers load; the server samples with it by name, and the reference is the server's base model."""
 
 import json
-import subprocess
 from pathlib import Path
 
 import peft
@@ -10,10 +9,15 @@ import pytest
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
+from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.protocol import sampling_params
+from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
 from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE, WeightSync
 from open_r1_ext.weight_files import MANIFEST, check_manifest, read_weight_dir
+from tests.helpers import reward_len, tiny_config, tiny_dataset
 from tests.test_zero3 import launch
 
 
@@ -70,3 +74,78 @@ def test_zero3_lora_on_two_processes_dumps_the_unsharded_adapter(tiny_model, tmp
     assert sorted(dumped) == sorted(whole) and all(torch.equal(dumped[k], whole[k]) for k in whole)
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in dumped.items())  # it trained a step
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(dump))
+
+
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "all")
+PROMPT = [1, 5, 9, 20, 3, 7, 11]
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model, tmp_path_factory):
+    """One built-in server for generation (adapters) and the reference (its base model): no `/ref` slot."""
+    log = tmp_path_factory.mktemp("lora-server") / "server.log"
+    with BuiltinServer(str(tiny_model), log_path=str(log), extra_args=("--no-ref-slot", *LORA_FLAGS)) as server:
+        yield server
+
+
+class ServerMatchesPolicy(TrainerCallback):
+    """After each step's sync (it runs after `WeightSyncCallback`): the server's sampling log-probs with the step's
+    adapter equal the trainer's policy (LoRA applied: the merged weights) within 1e-5, its reference log-probs the
+    base model's (the adapter disabled), and the previous adapter is unloaded. Records the largest differences."""
+
+    def __init__(self, trainer, url: str):
+        self.trainer, self.client = trainer, SGLangClient(url)
+        self.policy_diff, self.reference_diff, self.adapter_effect, self.checked = 0.0, 0.0, 0.0, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        name, model = f"policy-v{state.global_step}", self.trainer.model
+        (completion,), = self.client.generate([PROMPT], sampling_params(6, temperature=1.0), lora_path=name)
+        ids = torch.tensor([PROMPT + completion.token_ids])
+        with torch.no_grad():
+            policy = model(ids).logits.log_softmax(-1)[0, len(PROMPT) - 1:-1].gather(-1, ids[0, len(PROMPT):, None])
+            with model.disable_adapter():
+                base = model(ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])
+        sampled = torch.tensor(completion.logprobs)
+        self.policy_diff = max(self.policy_diff, (policy[:, 0] - sampled).abs().max().item())
+        self.adapter_effect = max(self.adapter_effect, (policy - base[len(PROMPT) - 1:]).abs().max().item())
+        reference = self.client.ref_logprobs([ids[0].tolist()])[0]
+        self.reference_diff = max(self.reference_diff, (base[:, 0] - reference).abs().max().item())
+        if state.global_step > 1:
+            with pytest.raises(ServerRequestError, match=f"policy-v{state.global_step - 1}"):
+                self.client.generate([PROMPT], sampling_params(2), lora_path=f"policy-v{state.global_step - 1}")
+        self.checked.append(state.global_step)
+
+
+def lora_trainer(tiny_model: Path, output_dir: Path, url: str, **settings) -> RemoteGRPOTrainer:
+    args = tiny_config(output_dir, generation_url=url, ref_model_url=url, learning_rate=0.05, **settings)
+    return RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
+                             peft_config=peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+
+
+def test_a_lora_run_samples_from_its_adapters_and_scores_with_the_base_model(tiny_model, lora_server, tmp_path):
+    """A tiny run with a PEFT policy against one built-in server: each sync loads the step's adapter (`policy-vN`),
+    with which the server samples as the trainer's policy; the reference is the server's base model; the dumps are
+    adapters; resumed from a checkpoint (the server still up, holding the run's last adapter), the run reloads the
+    checkpoint's adapter and goes on."""
+    trainer = lora_trainer(tiny_model, tmp_path, lora_server.url, max_steps=3, save_strategy="steps", save_steps=2)
+    assert trainer.weight_sync.adapter_only and trainer.ref_model.client.base_url == lora_server.url
+    check = ServerMatchesPolicy(trainer, lora_server.url)
+    trainer.add_callback(check)
+    trainer.train()
+    assert check.checked == [1, 2, 3] and check.policy_diff <= 1e-5 and check.reference_diff <= 1e-5
+    assert check.adapter_effect > 1e-3  # the adapters trained: sampling with the base model would not pass
+    log = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["weight_version"]) for e in log] == [(1, "1"), (2, "2"), (3, "3")]
+    dump = Path(log[-1]["path"])
+    assert sorted(p.name for p in dump.iterdir()) == sorted([ADAPTER_FILE, ADAPTER_CONFIG, MANIFEST])
+    check_manifest(dump, checksums=True)
+    rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["weight_version"]) for r in rollouts] == [(1, 0), (2, 1), (3, 2)]  # staleness 0
+
+    resumed = lora_trainer(tiny_model, tmp_path, lora_server.url, max_steps=4, save_strategy="no")
+    check = ServerMatchesPolicy(resumed, lora_server.url)
+    resumed.add_callback(check)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert check.checked == [3, 4] and check.policy_diff <= 1e-5 and check.reference_diff <= 1e-5
+    rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["weight_version"]) for r in rollouts][-2:] == [(3, 2), (4, 3)]  # the checkpoint's adapter

@@ -4,13 +4,16 @@ needs CUDA) and against the real built-in server with the tiny model and a tiny 
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import peft
 import pytest
+import requests
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -187,6 +190,28 @@ def test_versioned_names_load_the_next_then_unload_the_previous(lora_server, wei
     assert close(score(lora_server, PROMPTS[:1], "policy-v1")[0], logprobs_of(models["step-2"], PROMPTS[0]))
     lora_server.unload_lora_adapter("policy-v1")
     lora_server.unload_lora_adapter("policy-v2")
+
+
+def test_an_unload_waits_for_the_request_running_with_the_adapter(lora_server, weights, models):
+    """A stream with the adapter has begun when the unload is sent: the unload answers once the stream's generation is
+    done, and every token of it came from the adapter."""
+    lora_server.load_lora_adapter("busy", str(weights / "step-1"))
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 256, "temperature": 0.0, "ignore_eos": True},
+            "return_logprob": True, "stream": True, "lora_path": "busy"}
+    with requests.post(f"{lora_server.base_url}/generate", json=body, stream=True, timeout=60) as stream:
+        events = stream.iter_lines()
+        first = next(line for line in events if line)  # the generation is running
+        with ThreadPoolExecutor(1) as pool:
+            unloaded = pool.submit(lora_server.unload_lora_adapter, "busy")
+            last = [line for line in events if line.startswith(b"data: {")][-1]
+            assert unloaded.result(timeout=60)["loaded_adapters"] == {}
+    assert first.startswith(b"data: {")
+    answer = json.loads(last[len(b"data: "):])
+    assert len(answer["output_ids"]) == 256
+    want = logprobs_of(models["step-1"], PROMPTS[0] + answer["output_ids"])[len(PROMPTS[0]) - 1:]
+    assert close([e[0] for e in answer["meta_info"]["output_token_logprobs"]], want)
+    with pytest.raises(ServerRequestError, match="'busy' was unloaded"):
+        score(lora_server, PROMPTS[:1], "busy")
 
 
 def test_adapters_the_server_cannot_serve_are_refused_by_name(lora_server, weights, tiny_model, tmp_path):

@@ -1,6 +1,7 @@
 """The `open-r1-ext` command: one entry for every user-facing action.
 
-    open-r1-ext train RECIPE [--set SECTION.KEY=VALUE ...] [--server-url URL] [--ref-url URL]
+    open-r1-ext train RECIPE [--set SECTION.KEY=VALUE ...] [--server-url URL ...] [--ref-url URL ...]
+                             [--server-dir DIR] [--ref-dir DIR]
     open-r1-ext validate RECIPE [RECIPE ...]
     open-r1-ext new-recipe --from RECIPE --model ORG/NAME OUT
     open-r1-ext serve --model-path DIR [--port P ...]        (the built-in server)
@@ -25,15 +26,22 @@ def add_recipe_arguments(parser: argparse.ArgumentParser, server_urls: bool = Fa
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe value, e.g. --set trainer.max_steps=5 (repeatable)")
     if server_urls:
-        parser.add_argument("--server-url", default=None,
-                            help="generation server (and the reference's, with reference: generation)")
-        parser.add_argument("--ref-url", default=None, help="reference server, when the reference has a server of its own")
+        parser.add_argument("--server-url", action="append", metavar="URL",
+                            help="generation server (and the reference's, with reference: generation); repeat it for a "
+                                 "pool of replicas")
+        parser.add_argument("--ref-url", action="append", metavar="URL",
+                            help="reference server, when the reference has servers of its own (repeatable)")
+        parser.add_argument("--server-dir", metavar="DIR",
+                            help="address directory of the generation replicas (<name>.addr files, one host:port "
+                                 "each): a pool they join and leave")
+        parser.add_argument("--ref-dir", metavar="DIR",
+                            help="address directory of the reference's replicas, when it has servers of its own")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from open_r1_ext import train
 
-    return train.train_recipe(args.recipe, args.set, args.server_url, args.ref_url)
+    return train.train_recipe(args.recipe, args.set, args.server_url, args.ref_url, args.server_dir, args.ref_dir)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

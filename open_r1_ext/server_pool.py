@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -163,6 +164,11 @@ class ServerPool:
         with self._lock:
             return [r.name for r in self._replicas.values() if r.state == SERVING and r.version == version]
 
+    def replicas_holding(self, lora_name: str) -> list[str]:
+        """The serving replicas that loaded the LoRA adapter `lora_name`."""
+        with self._lock:
+            return [r.name for r in self._replicas.values() if r.state == SERVING and lora_name in r.adapters]
+
     def served_by(self) -> Optional[list[str]]:
         """The replica that sampled each prompt's completions in the last `generate` call of this thread."""
         return getattr(self._placement, "names", None)
@@ -288,7 +294,7 @@ class ServerPool:
         with self._lock:
             if replica.state == DROPPED:
                 return
-            replica.state, replica.reason = DROPPED, str(error).splitlines()[0]
+            replica.state, replica.reason = DROPPED, _short(error)
             serving = sum(r.state == SERVING for r in self._replicas.values())
         logger.warning("%s replica %s dropped from the pool: %s; %d serving (min_replicas %d)", self.role, replica,
                        replica.reason, serving, self.min_replicas)
@@ -577,6 +583,14 @@ def _outcome(fn: Callable[..., T], *args: Any) -> tuple[Optional[T], Optional[Se
         return fn(*args), None
     except ServerError as err:
         return None, err
+
+
+def _short(error: BaseException) -> str:
+    """An error's first line, a connection error's cause alone (`... [Errno 111] Connection refused`), not urllib3's
+    whole retry story."""
+    text = str(error).splitlines()[0]
+    cause = re.search(r"\[Errno -?\d+\] [^'\")]+", text)
+    return f"{text.split(': ', 1)[0]}: {cause.group(0)}" if cause and "no answer" in text else text
 
 
 def _ignore_refusal(fn: Callable[..., Any], *args: Any) -> None:

@@ -2,7 +2,8 @@
 
 Reads top to bottom as the story of a run: load and validate the recipe, find the last checkpoint, load the
 prompts and rewards, find (or, for the built-in engine on a laptop, start) the servers, build the trainer,
-train, save. Server URLs come from `--server-url`/`--ref-url` (the launchers pass them), else the environment
+train, save. Servers come from `--server-url`/`--ref-url` (repeatable: a pool of replicas) or the address
+directories `--server-dir`/`--ref-dir` (the launchers pass these), else the environment
 (`OPEN_R1_EXT_SERVER_URL`, `OPEN_R1_EXT_REF_URL`), else the recipe's
 `servers.generation.url`/`servers.reference.url`.
 """
@@ -20,7 +21,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -33,6 +34,7 @@ from open_r1_ext.sglang_client import ServerError
 
 logger = logging.getLogger("open_r1_ext.train")
 SERVER_URL_ENV, REF_URL_ENV = "OPEN_R1_EXT_SERVER_URL", "OPEN_R1_EXT_REF_URL"
+URLs = Union[str, list[str], None]  # a server's URL, or several: a pool of replicas
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -42,10 +44,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--config", required=True, help="the recipe YAML")
     add_recipe_arguments(parser, server_urls=True)
     args = parser.parse_args(argv)
-    return train_recipe(args.config, args.set, args.server_url, args.ref_url)
+    return train_recipe(args.config, args.set, args.server_url, args.ref_url, args.server_dir, args.ref_dir)
 
 
-def train_recipe(path: str, overrides: list[str], server_url: Optional[str] = None, ref_url: Optional[str] = None) -> int:
+def train_recipe(path: str, overrides: list[str], server_url: URLs = None, ref_url: URLs = None,
+                 server_dir: Optional[str] = None, ref_dir: Optional[str] = None) -> int:
     """Load and validate the recipe, then train (`run`); 2 for an invalid recipe, with its problems on stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_libraries()
@@ -55,7 +58,7 @@ def train_recipe(path: str, overrides: list[str], server_url: Optional[str] = No
         print(err, file=sys.stderr)
         return 2
     try:
-        trainer = run(recipe, server_url=server_url, ref_url=ref_url)
+        trainer = run(recipe, server_url=server_url, ref_url=ref_url, server_dir=server_dir, ref_dir=ref_dir)
     except ServerError as err:  # a server gone, a failed sync or dump: the story in a few lines, the traceback in a file
         print(f"{err}\n(traceback in {save_traceback(recipe)})", file=sys.stderr, flush=True)
         return 1
@@ -68,7 +71,8 @@ def train_recipe(path: str, overrides: list[str], server_url: Optional[str] = No
     return 0
 
 
-def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str] = None):
+def run(recipe: Recipe, server_url: URLs = None, ref_url: URLs = None, server_dir: Optional[str] = None,
+        ref_dir: Optional[str] = None):
     """Train as the recipe says; returns the trainer."""
     from transformers import set_seed
     from transformers.trainer_utils import get_last_checkpoint
@@ -84,9 +88,10 @@ def run(recipe: Recipe, server_url: Optional[str] = None, ref_url: Optional[str]
     dataset = load_prompts(recipe.data)
     reward_funcs = build_rewards(recipe)
 
-    with servers(recipe, server_url, ref_url) as (generation_url, ref_model_url):
+    with servers(recipe, server_url, ref_url, server_dir, ref_dir) as (generation_url, ref_model_url):
         args = recipe.trainer_config(generation_url=generation_url, ref_model_url=ref_model_url,
-                                     api_key=read_run_key(recipe, output_dir))
+                                     api_key=read_run_key(recipe, output_dir),
+                                     **pool_settings(recipe, server_dir, ref_dir))
         trainer = RemoteGRPOTrainer(model=recipe.model.name_or_path, reward_funcs=reward_funcs, args=args,
                                     train_dataset=dataset, peft_config=recipe.model.peft_config())
         # One readable line per step (StepPrinter) instead of tqdm bars and metric dicts, for terminals and SLURM logs.
@@ -124,29 +129,64 @@ def build_rewards(recipe: Recipe) -> list:
 
 
 @contextlib.contextmanager
-def servers(recipe: Recipe, server_url: Optional[str], ref_url: Optional[str]) -> Iterator[tuple[Optional[str], Optional[str]]]:
-    """`(generation_url, ref_model_url)`: given, from the environment or recipe, or embedded built-in servers."""
-    given = {"generation": server_url or os.environ.get(SERVER_URL_ENV),
-             "reference": ref_url or os.environ.get(REF_URL_ENV)}
-    urls: dict[str, Optional[str]] = {}
+def servers(recipe: Recipe, server_url: URLs, ref_url: URLs, server_dir: Optional[str] = None,
+            ref_dir: Optional[str] = None) -> Iterator[tuple[URLs, URLs]]:
+    """`(generation_url, ref_model_url)`: given (one URL, or a list: a pool of replicas), from the environment or
+    recipe, or embedded built-in servers; None for a role whose replicas advertise themselves in an address directory
+    (`server_dir`, `ref_dir`: `pool_settings`)."""
+    given = {"generation": listed(server_url) or listed(os.environ.get(SERVER_URL_ENV)),
+             "reference": listed(ref_url) or listed(os.environ.get(REF_URL_ENV))}
+    directories = {"generation": server_dir, "reference": ref_dir}
+    urls: dict[str, list[str]] = {}
     embedded: list[str] = []
     specs = recipe.servers.specs()
-    threads = cpu_threads_each(sum(1 for role, spec in specs.items() if not (given[role] or spec.url)))
+    started_here = [role for role, spec in specs.items() if not (given[role] or spec.url or directories[role])]
+    threads = cpu_threads_each(len(started_here))
     with contextlib.ExitStack() as stack:
         for role, spec in specs.items():
-            urls[role] = given[role] or spec.url
-            if urls[role] is None:
+            urls[role] = given[role] or listed(None if directories[role] else spec.url)
+            if role in started_here:
                 if spec.engine != "builtin":
                     raise SystemExit(
                         f"{recipe.path}: no URL for the {spec.engine} {role} server. Start one (sbatch slurm/serve.slurm "
-                        f"{recipe.path}), or pass --server-url/--ref-url, or set servers.{role}.url; only engine: builtin "
+                        f"{recipe.path}), or pass --server-url/--ref-url (or --server-dir/--ref-dir), or set servers.{role}.url; only engine: builtin "
                         "starts an embedded server."
                     )
                 if not embedded:  # the first embedded server: a new key for this run
                     write_run_key(recipe, Path(recipe.output_dir))
                 embedded.append(role)
-                urls[role] = stack.enter_context(embedded_server(recipe, role, spec, threads)).url
-        yield recipe.role_urls(urls.get("generation"), urls.get("reference"))
+                urls[role] = [stack.enter_context(embedded_server(recipe, role, spec, threads)).url]
+        generation = urls.get("generation", [])
+        if recipe.servers.reference == "generation":  # each generation server's reference (its /ref slot, built-in)
+            reference = [recipe.role_urls(url, None)[1] for url in generation]
+        else:
+            reference = urls.get("reference", [])
+        yield one_or_list(generation), one_or_list(reference)
+
+
+def pool_settings(recipe: Recipe, server_dir: Optional[str], ref_dir: Optional[str]) -> dict:
+    """The trainer config's replica-pool settings: each role's address directory and its spec's `min_replicas`. A
+    reference in the generation servers reads their directory (through the built-in server's `/ref` slot)."""
+    specs, settings = recipe.servers.specs(), {}
+    if "generation" in specs:
+        settings.update(generation_server_dir=server_dir, generation_min_replicas=specs["generation"].min_replicas)
+    if "reference" in specs:
+        settings.update(ref_model_server_dir=ref_dir, reference_min_replicas=specs["reference"].min_replicas)
+    elif recipe.servers.reference == "generation" and "generation" in specs:
+        address = "http://replica"  # what role_urls appends to a generation server's address for its reference
+        settings.update(ref_model_server_dir=server_dir, reference_min_replicas=specs["generation"].min_replicas,
+                        ref_model_route=recipe.role_urls(address, None)[1].removeprefix(address))
+    return settings
+
+
+def listed(urls: URLs) -> list[str]:
+    """A URL, a list of them, or None, as a list."""
+    return [urls] if isinstance(urls, str) else list(urls or ())
+
+
+def one_or_list(urls: list[str]) -> URLs:
+    """The form a config's URL field takes: None, one URL, or a list of several (a pool)."""
+    return None if not urls else urls[0] if len(urls) == 1 else urls
 
 
 def cpu_threads_each(embedded: int) -> Optional[int]:

@@ -4,15 +4,24 @@ The spreading, failover, joining and weight-tracking logic runs against stand-in
 real HTTP, a fixed function of the prompt, every call recorded); the training runs use real built-in servers.
 """
 
+import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
+from open_r1_ext import RemoteGRPOTrainer, cli
+from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.launch.recipe import load_recipe
 from open_r1_ext.server_pool import NoReplicaError, ServerPool
-from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
+from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
+from open_r1_ext.train import pool_settings
 from tests.fake_sglang import FakeSGLang
+from tests.helpers import (KillServerAt, restore_default_weights, reward_len, tiny_config, tiny_dataset,
+                           tiny_recipe)
 
 SAMPLING = {"max_new_tokens": 4, "temperature": 1.0}
 
@@ -63,23 +72,28 @@ def test_samples_of_a_prompt_stay_on_one_replica_and_the_batch_spreads():
 def test_work_goes_to_the_replica_with_the_fewest_outstanding_tokens():
     with FakeSGLang() as a, FakeSGLang() as b:
         release, busy = threading.Event(), threading.Event()
-        answer = a.generate
 
-        def slow(body):  # a's first request stays in flight until released
-            busy.set()
-            release.wait(10)
-            return answer(body)
+        def held(fake):  # the first request (to either) stays in flight until released
+            answer = fake.generate
 
-        a.generate = slow
+            def generate(body):
+                if not busy.is_set():
+                    busy.set()
+                    release.wait(10)
+                return answer(body)
+            return generate
+
+        a.generate, b.generate = held(a), held(b)
         pool = ServerPool([a.url, b.url])
         first = threading.Thread(target=pool.generate, args=([[1] * 50], SAMPLING))
         first.start()
         assert busy.wait(10)
+        holding = a if prompts_seen(a) else b
         pool.generate([[7, 8], [9, 10], [11, 12]], SAMPLING)
-        assert pool.served_by() == [b.url] * 3  # a still holds the first request's tokens
+        assert pool.served_by() == [(b if holding is a else a).url] * 3  # the other holds no tokens in flight
         release.set()
         first.join(10)
-        assert prompts_seen(a) == [tuple([1] * 50)]
+        assert prompts_seen(holding) == [tuple([1] * 50)]
 
 
 def test_a_failing_replica_is_dropped_and_its_part_sent_to_the_others():
@@ -102,7 +116,7 @@ def test_below_min_replicas_waits_then_names_the_lost_replica():
         down(b)
         start = time.monotonic()
         with pytest.raises(NoReplicaError) as err:
-            pool.generate([[1, 2]], SAMPLING)
+            pool.generate([[1, 2], [3, 4]], SAMPLING)  # a part for each
         assert 1.5 <= time.monotonic() - start < 10
     message = str(err.value)
     assert "1 of min_replicas 2 serving" in message and b.url in message and "503" in message
@@ -172,3 +186,122 @@ def test_a_refused_reload_names_the_replica():
         pool = ServerPool([a.url, b.url])
         with pytest.raises(ServerRequestError, match=f"1 of 2 generation replica.*{b.url}.*cannot read the dump"):
             pool.update_weights_from_disk("/dumps/step-1", weight_version="1")
+
+
+# ---------------------------------------------------------------------------------------- training on a real pool
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def synced(output_dir: Path) -> dict[int, list[str]]:
+    """The generation syncs of `weight_sync.jsonl`: step -> the replicas that confirmed it."""
+    return {e["step"]: sorted(e["replicas"]) for e in read_jsonl(output_dir / "weight_sync.jsonl")
+            if e["role"] == "generation"}
+
+
+def served(output_dir: Path) -> list[list[str]]:
+    """Each batch of `rollouts.jsonl`: the replica of each of its prompts."""
+    return [e["replicas"] for e in read_jsonl(output_dir / "rollouts.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model):
+    """Four built-in servers on the tiny model, started at once: `a` and `b` are shared (their weights restored by
+    `pair`), `c` and `d` are killed by one test each."""
+    servers = {name: BuiltinServer(str(tiny_model)) for name in "abcd"}
+    with ThreadPoolExecutor(len(servers)) as threads:  # off the main thread: stopped by `stop()`, not at our death
+        list(threads.map(BuiltinServer.start, servers.values()))
+    yield servers
+    for srv in servers.values():
+        srv.stop()
+
+
+@pytest.fixture()
+def pair(replicas, tiny_model):
+    for name in "ab":
+        restore_default_weights(replicas[name].url, tiny_model)
+    return replicas["a"], replicas["b"]
+
+
+def pool_config(output_dir: Path, **settings):
+    """Two prompts x 4 samples per step: a batch for two replicas."""
+    return tiny_config(output_dir, per_device_train_batch_size=8, num_generations=4, **settings)
+
+
+def test_a_static_pool_of_two_trains_with_both_replicas_serving_and_confirming_every_sync(pair, tiny_model, tmp_path):
+    a, b = pair
+    recipe = tiny_recipe(tmp_path, tiny_model, max_steps=3)  # 2 prompts x 4 samples a step, the reference in /ref
+    assert cli.main(["train", str(recipe), "--server-url", a.url, "--server-url", b.url]) == 0
+    run = tmp_path / "run"
+    assert [e["step"] for e in read_jsonl(run / "metrics.jsonl") if "loss" in e] == [1, 2, 3]
+    assert synced(run) == {step: sorted([a.url, b.url]) for step in (1, 2, 3)}
+    assert [sorted(batch) for batch in served(run)] == [sorted([a.url, b.url])] * 3
+    for srv in (a, b):
+        assert SGLangClient(srv.url).weight_version() == "3"
+
+
+def test_a_replica_killed_mid_run_is_dropped_and_the_run_finishes(pair, replicas, tiny_model, tmp_path):
+    a, c = pair[0], replicas["c"]
+    killer = KillServerAt(c, step=1)
+    args = pool_config(tmp_path, max_steps=4, generation_url=[a.url, c.url], ref_model_url=[f"{a.url}/ref", f"{c.url}/ref"])
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
+                                callbacks=[killer])
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3, 4]  # none lost, none twice
+    batches = served(tmp_path)
+    assert sorted(batches[0]) == sorted([a.url, c.url]) and batches[1:] == [[a.url, a.url]] * 3
+    assert synced(tmp_path) == {step: [a.url] for step in (1, 2, 3, 4)}
+    assert trainer.remote_generation.client.replicas() == {a.url: "serving", c.url: "dropped"}
+
+
+def test_a_joiner_gets_the_current_weights_before_it_serves(pair, tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.2)
+    a, b = pair
+    addresses, run = tmp_path / "replicas" / "server", tmp_path / "run"
+    write_address(addresses, "1001", a.url)
+
+    def new_server_job():  # advertises itself once step 1 is done
+        while not (run / "metrics.jsonl").is_file():
+            time.sleep(0.05)
+        write_address(addresses, "1002", b.url)
+
+    threading.Thread(target=new_server_job, daemon=True).start()
+    recipe = tiny_recipe(tmp_path, tiny_model, max_steps=5)
+    assert cli.main(["train", str(recipe), "--server-dir", str(addresses)]) == 0  # the reference: each one's /ref
+    batches = served(run)
+    assert batches[0] == ["1001", "1001"] and any("1002" in batch for batch in batches[1:])
+    # every batch it served was sampled from the trainer's current weights (else staleness > 0 had stopped the run)
+    assert all(e["staleness"] == 0 for e in read_jsonl(run / "rollouts.jsonl"))
+    assert synced(run)[5] == ["1001", "1002"]
+    first, second = SGLangClient(a.url), SGLangClient(b.url)
+    assert first.weight_version() == second.weight_version() == "5"
+    sequences = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    for x, y in zip(first.ref_logprobs(sequences), second.ref_logprobs(sequences)):
+        assert torch.equal(x, y)
+
+
+def test_below_min_replicas_the_trainer_stops_with_a_checkpoint_naming_the_lost_replica(pair, replicas, tiny_model,
+                                                                                          tmp_path):
+    a, d = pair[0], replicas["d"]
+    args = pool_config(tmp_path, max_steps=4, generation_url=[a.url, d.url], ref_model_url=f"{a.url}/ref",
+                       generation_min_replicas=2, server_wait_timeout=3)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
+                                callbacks=[KillServerAt(d, step=1)])
+    with pytest.raises(ServerError) as err:  # at the sync after step 1, or the generation of step 2
+        trainer.train()
+    message = str(err.value)
+    assert "1 of min_replicas 2 serving after waiting 3 s" in message
+    assert f"lost: {d.url}: {d.url}" in message and "Connection refused" in message
+    assert f"A checkpoint to resume from is in {tmp_path}/checkpoint-1" in message
+    assert (tmp_path / "checkpoint-1").is_dir()
+
+
+def test_the_recipe_gives_the_pool_its_directories_and_min_replicas(tmp_path, tiny_model):
+    recipe = load_recipe(tiny_recipe(tmp_path, tiny_model), ["servers.generation.replicas=3",
+                                                             "servers.generation.min_replicas=2"])
+    config = recipe.trainer_config(**pool_settings(recipe, "/run/replicas/server", None))
+    assert (config.generation_server_dir, config.generation_min_replicas) == ("/run/replicas/server", 2)
+    # reference: generation on built-in servers: each replica's /ref slot, as many needed
+    assert (config.ref_model_server_dir, config.ref_model_route, config.reference_min_replicas) == (
+        "/run/replicas/server", "/ref", 2)
+    assert config.generation_on_server and config.remote_reference

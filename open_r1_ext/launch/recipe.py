@@ -317,11 +317,13 @@ class Recipe(Section):
             return generation_url, f"{generation_url.rstrip('/')}/ref" if in_slot and self.ref_slot("generation") else generation_url
         return generation_url, ref_url if isinstance(reference, ServerSpec) else None
 
-    def trainer_config(self, generation_url: Optional[str] = None, ref_model_url: Optional[str] = None,
-                       on_this_machine: bool = True, api_key: Optional[str] = None):
-        """The `RemoteGRPOConfig` of this run, with the servers' URLs and API key (`launch.run_key.read_run_key`) filled
-        in. `on_this_machine=False` (validation on a login node) leaves out the settings transformers checks against
-        the local hardware (bf16, fp16, tf32)."""
+    def trainer_config(self, generation_url: Union[str, list[str], None] = None,
+                       ref_model_url: Union[str, list[str], None] = None, on_this_machine: bool = True,
+                       api_key: Optional[str] = None, **servers: Any):
+        """The `RemoteGRPOConfig` of this run, with the servers' URLs (one, or a list: a pool of replicas), API key
+        (`launch.run_key.read_run_key`) and further server settings (`servers`: the replica pools' address directories
+        and min replicas, `train.pool_settings`) filled in. `on_this_machine=False` (validation on a login node) leaves
+        out the settings transformers checks against the local hardware (bf16, fp16, tf32)."""
         from open_r1_ext.trainer.config import RemoteGRPOConfig
 
         kwargs = dict(self.trainer, **self.sync)
@@ -337,7 +339,7 @@ class Recipe(Section):
             kwargs["ref_model_url"] = ref_model_url
         if api_key:
             kwargs.setdefault("server_api_key", api_key)
-        return RemoteGRPOConfig(**kwargs)
+        return RemoteGRPOConfig(**{**kwargs, **servers})
 
     def model_init_kwargs(self) -> dict:
         kwargs: dict[str, Any] = {"dtype": self.model.dtype, "trust_remote_code": self.model.trust_remote_code}

@@ -44,9 +44,10 @@ class RemoteGRPOConfig(GRPOConfig):
 
         > Remote generation
 
-        generation_url (`str` or `None`, *optional*, defaults to `None`):
-            Base URL of the server that generates completions. Prompts are sent as token ids and completions come back
-            as token ids, `num_generations` samples per prompt, each with its own `sampling_seed`.
+        generation_url (`str`, `list[str]` or `None`, *optional*, defaults to `None`):
+            Base URL of the server that generates completions, or a list of them (a pool of replicas, see below).
+            Prompts are sent as token ids and completions come back as token ids, `num_generations` samples per
+            prompt, each with its own `sampling_seed`.
         generation_backend (`str`, *optional*, defaults to `"sglang"`):
             Protocol of `generation_url`: `"sglang"` (native `/generate`, token ids in and out, with sampling
             log-probs) or `"openai"` (any OpenAI-compatible `/v1/completions` server).
@@ -56,6 +57,29 @@ class RemoteGRPOConfig(GRPOConfig):
 
         With `generation_url`, TRL's `generation_kwargs` are SGLang `sampling_params`: checked here against SGLang's
         names (vLLM's `min_tokens` becomes `min_new_tokens`; an unknown key is refused with the list of valid ones).
+
+        > Replica pools
+
+        With several generation URLs or an address directory, generation and reference requests go to a pool of
+        replicas (`open_r1_ext.server_pool.ServerPool`): each prompt's samples on one replica, a batch spread by least
+        outstanding tokens, every weight sync to every replica; a replica that fails is dropped and its requests
+        re-sent to the others, one that joins is loaded with the current weights first.
+
+        generation_server_dir (`str` or `None`, *optional*, defaults to `None`):
+            Address directory of the generation replicas: each `<name>.addr` file (one `host:port` line, written by a
+            server job once it is healthy, removed when it stops) is a replica; files that appear or go are replicas
+            that join or leave. Rescanned every 2 s.
+        generation_min_replicas (`int`, *optional*, defaults to `1`):
+            Serving generation replicas needed: below it the trainer waits up to `server_wait_timeout` for replicas to
+            (re)join, then stops with a checkpoint and a message naming the lost replicas.
+        ref_model_server_dir (`str` or `None`, *optional*, defaults to `None`):
+            Address directory of the reference's replicas, as `generation_server_dir` (`ref_model_url` may also be a
+            list of URLs).
+        ref_model_route (`str`, *optional*, defaults to `""`):
+            Appended to each address read from `ref_model_server_dir`: `"/ref"` for the built-in generation servers'
+            reference slot.
+        reference_min_replicas (`int`, *optional*, defaults to `1`):
+            As `generation_min_replicas`, for the reference's replicas.
 
         > Server connection
 
@@ -109,18 +133,20 @@ class RemoteGRPOConfig(GRPOConfig):
             default); the staleness of each batch is logged. Needs `generation_url` and `weight_sync_steps=1`.
     """
 
-    ref_model_url: Optional[str] = field(
+    ref_model_url: Optional[Union[str, list[str]]] = field(
         default=None,
-        metadata={"help": "Base URL of the SGLang-protocol server hosting the reference model; no local reference is built."},
+        metadata={"help": "Base URL of the SGLang-protocol server hosting the reference model (or a list: a pool of "
+                          "replicas); no local reference is built."},
     )
     prefetch_reference: bool = field(
         default=True,
         metadata={"help": "Send each batch's reference request as soon as its completions exist (overlapped with the "
                           "trainer's own log-probs and rewards)."},
     )
-    generation_url: Optional[str] = field(
+    generation_url: Optional[Union[str, list[str]]] = field(
         default=None,
-        metadata={"help": "Base URL of the server that generates completions (token ids in, token ids out)."},
+        metadata={"help": "Base URL of the server that generates completions (token ids in, token ids out), or a list "
+                          "of them: a pool of replicas."},
     )
     generation_backend: str = field(
         default="sglang",
@@ -129,6 +155,23 @@ class RemoteGRPOConfig(GRPOConfig):
     generation_model_name: Optional[str] = field(
         default=None,
         metadata={"help": "`model` sent to an OpenAI-compatible server; default: the first one it lists."},
+    )
+    generation_server_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Address directory of the generation replicas (`<name>.addr` files, one `host:port` each): "
+                          "a pool that replicas join and leave."},
+    )
+    generation_min_replicas: int = field(
+        default=1, metadata={"help": "Serving generation replicas needed; below it the trainer waits, then stops."}
+    )
+    ref_model_server_dir: Optional[str] = field(
+        default=None, metadata={"help": "Address directory of the reference's replicas."}
+    )
+    ref_model_route: str = field(
+        default="", metadata={"help": "Appended to each address of ref_model_server_dir (`/ref`: the built-in reference slot)."}
+    )
+    reference_min_replicas: int = field(
+        default=1, metadata={"help": "Serving reference replicas needed; below it the trainer waits, then stops."}
     )
     server_api_key: Optional[str] = field(
         default=None, metadata={"help": "Sent as `Authorization: Bearer KEY` to every server."}
@@ -209,12 +252,19 @@ class RemoteGRPOConfig(GRPOConfig):
                 f"generation_backend={self.generation_backend!r}: choose one of {', '.join(GENERATION_BACKENDS)}"
             )
         for name in ("ref_model_url", "generation_url"):
-            url = getattr(self, name)
-            if url is not None and not url.startswith(("http://", "https://")):
-                raise ValueError(f"{name}={url!r}: give a base URL such as 'http://node-3:30000'")
-        if self.use_vllm and self.generation_url:
+            urls = getattr(self, name)
+            for url in [urls] if isinstance(urls, str) else urls or ():
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{name}={url!r}: give a base URL such as 'http://node-3:30000'")
+        for name in ("generation_min_replicas", "reference_min_replicas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.generation_backend == "openai" and (self.generation_server_dir or isinstance(self.generation_url, list)):
+            raise ValueError("generation_backend='openai' drives one server: give one generation_url (a pool of "
+                             "replicas needs generation_backend='sglang')")
+        if self.use_vllm and self.generation_on_server:
             raise ValueError("use_vllm=True and generation_url are exclusive: generation happens on one backend")
-        if self.generation_url and self.generation_kwargs:
+        if self.generation_on_server and self.generation_kwargs:
             self.generation_kwargs = sampling_kwargs(self.generation_kwargs)
         if self.request_timeout <= 0 or self.server_wait_timeout <= 0:
             raise ValueError("request_timeout and server_wait_timeout must be positive (seconds)")
@@ -232,7 +282,7 @@ class RemoteGRPOConfig(GRPOConfig):
         if self.sync_dir is None:
             self.sync_dir = f"{self.output_dir}/weights"
         if self.async_generation:
-            if not self.generation_url:
+            if not self.generation_on_server:
                 raise ValueError("async_generation=True needs generation_url: it overlaps remote generation with training")
             if self.weight_sync_steps != 1:
                 raise ValueError(f"async_generation=True needs weight_sync_steps=1 (got {self.weight_sync_steps}): "
@@ -240,5 +290,10 @@ class RemoteGRPOConfig(GRPOConfig):
             self.max_weight_staleness = max(self.max_weight_staleness, 1)
 
     @property
+    def generation_on_server(self) -> bool:
+        """Whether generation runs on servers (`generation_url` or `generation_server_dir`)."""
+        return bool(self.generation_url) or self.generation_server_dir is not None
+
+    @property
     def remote_reference(self) -> bool:
-        return self.ref_model_url is not None and self.beta != 0.0
+        return (bool(self.ref_model_url) or self.ref_model_server_dir is not None) and self.beta != 0.0

@@ -18,10 +18,11 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 from open_r1_ext.openai_client import OpenAICompletionsClient
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, Completion, sampling_params
+from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
 from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, adapter_name
@@ -32,24 +33,31 @@ logger = logging.getLogger(__name__)
 ADAPTER_WAITS_S = (1, 2, 4, 8, 16, 30, 30)
 
 
-def server_client(args: RemoteGRPOConfig, url: str) -> SGLangClient:
-    """An `SGLangClient` for `url` with the config's key, timeout, retries and batch budget."""
-    return SGLangClient(url, api_key=args.server_api_key, request_timeout=args.request_timeout,
-                        max_retries=args.max_retries, max_batch_tokens=args.max_batch_tokens,
-                        admin_api_key=args.server_admin_api_key)
+def server_client(args: RemoteGRPOConfig, url: Union[str, list[str], None], directory: Optional[str] = None,
+                  min_replicas: int = 1, route: str = "", role: str = "generation") -> Union[SGLangClient, ServerPool]:
+    """A client with the config's key, timeout, retries and batch budget: an `SGLangClient` for one URL, a
+    `ServerPool` for several or an address `directory` (`min_replicas` of them waited for up to
+    `server_wait_timeout`; `route` appended to each address read from the directory)."""
+    settings = dict(api_key=args.server_api_key, request_timeout=args.request_timeout,
+                    max_batch_tokens=args.max_batch_tokens, admin_api_key=args.server_admin_api_key)
+    urls = [url] if isinstance(url, str) else list(url or ())
+    if directory is None and len(urls) == 1:
+        return SGLangClient(urls[0], max_retries=args.max_retries, **settings)
+    return ServerPool(urls, directory, route=route, min_replicas=min_replicas, wait_timeout=args.server_wait_timeout,
+                      role=role, **settings)
 
 
 def remote_generation(trainer, weight_sync: WeightSync) -> Optional["RemoteGeneration"]:
     """The generation object `trainer.args` asks for (None without `generation_url`: TRL generates)."""
     args = trainer.args
-    if not args.generation_url:
+    if not args.generation_on_server:
         return None
     if args.generation_backend == "openai":
         client = OpenAICompletionsClient(args.generation_url, tokenizer=trainer.processing_class,
                                          model=args.generation_model_name, api_key=args.server_api_key,
                                          request_timeout=args.request_timeout, max_retries=args.max_retries)
     else:
-        client = server_client(args, args.generation_url)
+        client = server_client(args, args.generation_url, args.generation_server_dir, args.generation_min_replicas)
     kind = AsyncRemoteGeneration if args.async_generation else RemoteGeneration
     return kind(trainer, client, weight_sync)
 
@@ -84,14 +92,15 @@ class RemoteGeneration:
         A `rollout_func` may call it once per turn: each call's seeds depend on its prompts, so two turns of a step
         sample independently while a retried step samples the same."""
         self.ensure_weights()
-        completions = self._job(prompt_ids, num_generations, self._seeds(len(prompt_ids), prompts_salt(prompt_ids)))()
-        self._log_rollout(completions)
+        completions, served = self._job(prompt_ids, num_generations,
+                                        self._seeds(len(prompt_ids), prompts_salt(prompt_ids)))()
+        self._log_rollout(completions, served)
         return completions
 
     def read_context_length(self, model_config) -> None:
         """At start-up: the server's context length (`/server_info`), else the model's `max_position_embeddings`
         (what SGLang takes when it was started without `--context-length`)."""
-        reported = self.client.context_length() if isinstance(self.client, SGLangClient) else None
+        reported = self.client.context_length() if isinstance(self.client, (SGLangClient, ServerPool)) else None
         self.context_length = reported or getattr(model_config, "max_position_embeddings", None)
 
     @contextlib.contextmanager
@@ -156,12 +165,14 @@ class RemoteGeneration:
         else:
             self.weight_sync.share_state([self.target])
 
-    def _job(self, prompt_ids, num_generations: int, seeds: list[int]) -> Callable[[], list[Completion]]:
-        """A callable that generates the completions of `prompt_ids` (on this thread or the rollout thread)."""
+    def _job(self, prompt_ids, num_generations: int,
+             seeds: list[int]) -> Callable[[], tuple[list[Completion], Optional[list[str]]]]:
+        """A callable that generates the completions of `prompt_ids` (on this thread or the rollout thread), and
+        names the replica that sampled each prompt's completions (a pool of servers; else None)."""
         unique, n = group_repeated_prompts(prompt_ids, num_generations)
         sampling = self._fitting(unique, self._sampling_params())
 
-        def generate() -> list[Completion]:
+        def generate() -> tuple[list[Completion], Optional[list[str]]]:
             with self.trainer.step_timer.part("generate"):  # async: on the rollout thread, beside the step
                 if self.target is not None and self.target.adapter:
                     completions = self._sample_with_adapter(unique, sampling, n, seeds)
@@ -173,7 +184,7 @@ class RemoteGeneration:
                     self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
                     completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
             self.trainer.prefetch_reference(prompt_ids, [c.token_ids for c in completions])
-            return completions
+            return completions, self.client.served_by() if isinstance(self.client, ServerPool) else None
 
         return generate
 
@@ -235,9 +246,10 @@ class RemoteGeneration:
         return sampling_seeds(trainer.args.seed, trainer.state.global_step, "train" if trainer.model.training else "eval",
                               trainer.accelerator.process_index, count, salt)
 
-    def _log_rollout(self, completions: list[Completion]) -> None:
+    def _log_rollout(self, completions: list[Completion], served: Optional[list[str]] = None) -> None:
         """Log each batch's weight version and staleness (steps between the weights it was sampled from and the
-        policy it trains); stop if it exceeds `max_weight_staleness` (plus the steps between two syncs)."""
+        policy it trains), and with a pool the replica of each prompt (`served`); stop if the staleness exceeds
+        `max_weight_staleness` (plus the steps between two syncs)."""
         trainer, args = self.trainer, self.trainer.args
         versions = [version_number(c.weight_version) for c in completions if c.weight_version is not None]
         if not versions or self.target is None or not trainer.model.training:
@@ -247,7 +259,8 @@ class RemoteGeneration:
         trainer._metrics["train"]["remote/staleness"].append(float(staleness))
         if trainer.accelerator.is_main_process:
             with open(Path(args.output_dir) / "rollouts.jsonl", "a") as log:
-                log.write(json.dumps({"step": step + 1, "weight_version": oldest, "staleness": staleness}) + "\n")
+                entry = {"step": step + 1, "weight_version": oldest, "staleness": staleness}
+                log.write(json.dumps(entry if served is None else {**entry, "replicas": served}) + "\n")
         allowed = args.max_weight_staleness + args.weight_sync_steps - 1
         if staleness > allowed:
             raise WeightSyncError(
@@ -284,8 +297,8 @@ class AsyncRemoteGeneration(RemoteGeneration):
             seeds = self._seeds(len(prompt_ids), prompts_salt(prompt_ids))
             announced = self.rollouts.submit(self._job(prompt_ids, num_generations, seeds))
         with self.trainer.step_timer.part("rollout_wait"):
-            completions = announced.result()
-        self._log_rollout(completions)
+            completions, served = announced.result()
+        self._log_rollout(completions, served)
         return completions
 
     def batches(self, epoch_iterator: Iterator) -> Iterator:

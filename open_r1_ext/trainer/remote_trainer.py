@@ -13,7 +13,7 @@ import contextlib
 import gc
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from accelerate.utils import is_peft_model
@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
+from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, SGLangClient
 from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.trainer.generation import remote_generation, server_client
@@ -36,9 +37,10 @@ REMOTE_VLLM_MODE = "remote"
 
 
 class RemoteReference:
-    """Stands in for `trainer.ref_model` when the reference lives on a server: it holds a client, no parameters."""
+    """Stands in for `trainer.ref_model` when the reference lives on a server (or a pool of them): it holds a client,
+    no parameters."""
 
-    def __init__(self, client: SGLangClient):
+    def __init__(self, client: Union[SGLangClient, ServerPool]):
         self.client = client
 
     def __repr__(self) -> str:
@@ -89,7 +91,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self.weight_sync = WeightSync(self.accelerator, args.sync_dir, args.keep_last_dumps,
                                       f"{args.output_dir}/weight_sync.jsonl", targets=[], bucket_mb=args.bucket_mb,
                                       adapter_only=syncs_adapter(self.model, args))
-        self.ref_client = server_client(args, args.ref_model_url) if remote_reference else None
+        self.ref_client = server_client(args, args.ref_model_url, args.ref_model_server_dir, args.reference_min_replicas,
+                                        args.ref_model_route, role="reference") if remote_reference else None
         self.reference_target = None
         if remote_reference:
             self.ref_model = RemoteReference(self.ref_client)
@@ -369,7 +372,7 @@ class WeightSyncCallback(TrainerCallback):
 def syncs_adapter(model, args: RemoteGRPOConfig) -> bool:
     """Whether weight syncs ship a PEFT policy's LoRA adapter alone, loaded by the generation server beside its base
     weights (SGLang's dynamic LoRA); else (no PEFT, or an OpenAI-compatible server) the merged weights are dumped."""
-    if not (is_peft_model(model) and args.generation_url and args.generation_backend == "sglang"):
+    if not (is_peft_model(model) and args.generation_on_server and args.generation_backend == "sglang"):
         return False
     from peft import LoraConfig
 

@@ -35,6 +35,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.weight_files import (WeightFileError, check_manifest, is_disk_full, publish, remove_temporary_dirs,
                                       seal_weight_dir, shard_name, temporary_dir, write_index, write_shard)
@@ -81,6 +82,15 @@ class SyncTarget:
 
     def version_for(self, step: int) -> str:
         return str(step) if self.role == "generation" else f"ref-{step}"
+
+    def confirmed_by(self) -> Optional[list[str]]:
+        """With a pool of servers, the replicas that hold what this target last confirmed (its weight version, or
+        that version's adapter); None for one server."""
+        if not isinstance(self.client, ServerPool):
+            return None
+        if self.adapter:
+            return self.client.replicas_holding(adapter_name(self.version))
+        return self.client.replicas_at(self.version)
 
 
 def adapter_name(version: str) -> str:
@@ -407,7 +417,8 @@ class WeightSync:
         for target in targets:
             target.version, target.path, target.step = target.version_for(step), path, step
         if self.accelerator.is_main_process:
-            seal = self._in_background(self._seal_log_and_prune, step, path, [(t.role, t.version) for t in targets])
+            confirmed = [(t.role, t.version, t.confirmed_by()) for t in targets]
+            seal = self._in_background(self._seal_log_and_prune, step, path, confirmed)
             self._seals = {p: f for p, f in self._seals.items() if not f.done()}
             self._seals[path] = seal
 
@@ -499,18 +510,20 @@ class WeightSync:
             return []
         return [p for p in self.sync_dir.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX):].isdigit()]
 
-    def _seal_log_and_prune(self, step: int, path: Path, confirmed: list[tuple[str, Optional[str]]]) -> None:
+    def _seal_log_and_prune(self, step: int, path: Path,
+                            confirmed: list[tuple[str, Optional[str], Optional[list[str]]]]) -> None:
         seal_weight_dir(path)  # on an error the sync stays unlogged; `wait_durable` raises it
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self._logged is None:  # a resumed run syncs its checkpoint's step again: the log names each step once
             lines = self.log_path.read_text().splitlines() if self.log_path.is_file() else []
             self._logged = {(e["step"], e["role"]) for e in map(json.loads, filter(str.strip, lines))}
         with open(self.log_path, "a") as log:
-            for role, version in confirmed:
+            for role, version, replicas in confirmed:
                 if (step, role) not in self._logged:
                     self._logged.add((step, role))
-                    log.write(json.dumps({"step": step, "role": role, "path": str(path),
-                                          "weight_version": version, "time": round(time.time(), 3)}) + "\n")
+                    entry = {"step": step, "role": role, "path": str(path), "weight_version": version,
+                             "time": round(time.time(), 3)}
+                    log.write(json.dumps(entry if replicas is None else {**entry, "replicas": replicas}) + "\n")
         self.prune()
 
     def last_logged(self, role: str) -> Optional[dict]:

@@ -286,35 +286,28 @@ class SGLangClient:
         A dump with a `manifest.json` (the trainer's) that this machine can see is checked first, every file present
         with its size: SGLang loads whatever tensors a directory holds and reports success.
         """
-        body = update_weights_request(model_path, weight_version, **extra)
-        url = f"{self.base_url}/update_weights_from_disk"
-        _check_dump(model_path, url)
-        try:
-            result = self.post_json("/update_weights_from_disk", body)
-        except ServerRequestError as err:
-            raise ServerRequestError(f"{url} refused the weights in {model_path} (HTTP {err.status_code}): {err.detail}",
-                                     err.status_code, err.detail) from err
-        if not result.get("success", False):
-            raise ServerRequestError(f"{url} refused the weights in {model_path}: {result.get('message')}", 400)
-        return result
+        _check_dump(model_path, f"{self.base_url}/update_weights_from_disk")
+        return self._post_checked("/update_weights_from_disk", update_weights_request(model_path, weight_version, **extra),
+                                  f"the weights in {model_path}", "message")
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """Load the PEFT adapter directory `lora_path` (one the server can read) under the name `lora_name`, which
         `generate(..., lora_path=lora_name)` then names (SGLang's dynamic LoRA: the server needs `--enable-lora`);
         raises `ServerRequestError` on failure (e.g. the name is taken). A dump with a `manifest.json` this machine
         can see is checked first, as for `update_weights_from_disk`."""
-        url = f"{self.base_url}/load_lora_adapter"
-        _check_dump(lora_path, url)
-        return self._lora_call("/load_lora_adapter", load_lora_request(lora_name, lora_path),
-                               f"the LoRA adapter {lora_name} from {lora_path}")
+        _check_dump(lora_path, f"{self.base_url}/load_lora_adapter")
+        return self._post_checked("/load_lora_adapter", load_lora_request(lora_name, lora_path),
+                                  f"the LoRA adapter {lora_name} from {lora_path}")
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         """Unload the adapter `lora_name`; raises `ServerRequestError` on failure (e.g. no adapter of that name).
         SGLang refuses new requests naming it at once and unloads it once the requests in flight that use it end."""
-        return self._lora_call("/unload_lora_adapter", unload_lora_request(lora_name), f"unloading the LoRA adapter {lora_name}")
+        return self._post_checked("/unload_lora_adapter", unload_lora_request(lora_name),
+                                  f"unloading the LoRA adapter {lora_name}")
 
-    def _lora_call(self, route: str, body: dict, what: str) -> dict:
-        """POST a LoRA load/unload; SGLang answers `{success, error_message, loaded_adapters}`, HTTP 400 on failure."""
+    def _post_checked(self, route: str, body: dict, what: str, message_key: str = "error_message") -> dict:
+        """POST to a route that answers `{success, <message_key>, ...}` (a reload, a LoRA load/unload); a refusal
+        (HTTP 4xx, or `success: false`) raises `ServerRequestError` saying the server refused `what`, and why."""
         url = f"{self.base_url}{route}"
         try:
             result = self.post_json(route, body)
@@ -322,7 +315,7 @@ class SGLangClient:
             raise ServerRequestError(f"{url} refused {what} (HTTP {err.status_code}): {err.detail}",
                                      err.status_code, err.detail) from err
         if not result.get("success", False):
-            raise ServerRequestError(f"{url} refused {what}: {result.get('error_message')}", 400)
+            raise ServerRequestError(f"{url} refused {what}: {result.get(message_key)}", 400)
         return result
 
     # ------------------------------------------------------------- batching

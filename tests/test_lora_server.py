@@ -15,6 +15,7 @@ import peft
 import pytest
 import requests
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from open_r1_ext.launch.local_server import BuiltinServer
@@ -225,6 +226,24 @@ def test_adapters_the_server_cannot_serve_are_refused_by_name(lora_server, weigh
     (weights / "no-weights").mkdir()
     (weights / "no-weights" / "adapter_config.json").write_text((weights / "step-1" / "adapter_config.json").read_text())
     cases[str(weights / "no-weights")] = "no adapter_model.safetensors"
+    broken = {  # variants of step-1: config changes, or a change to its tensors
+        "dora": ({"use_dora": True}, None, "a DoRA adapter"),
+        "saved-modules": ({"modules_to_save": ["lm_head"]}, None, "modules_to_save ['lm_head']"),
+        "not-lora": ({"peft_type": "IA3"}, None, "peft_type 'IA3'"),
+        "no-such-module": ({"target_modules": ["qkv_proj"]}, None, "qkv_proj"),
+        "other-rank": ({"r": 2}, None, "size mismatch"),
+        "nan": ({}, lambda t: {k: v.fill_(float("nan")) if "lora_B" in k else v for k, v in t.items()}, "NaN or Inf"),
+        "stray-tensor": ({}, lambda t: {**t, "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight":
+                                         torch.zeros(4, 64)}, "tensors that fit no module"),
+    }
+    for name, (config_changes, tensor_change, words) in broken.items():
+        shutil.copytree(weights / "step-1", weights / name)
+        config = json.loads((weights / name / "adapter_config.json").read_text())
+        (weights / name / "adapter_config.json").write_text(json.dumps({**config, **config_changes}))
+        if tensor_change:
+            save_file(tensor_change(load_file(weights / name / "adapter_model.safetensors")),
+                      weights / name / "adapter_model.safetensors")
+        cases[str(weights / name)] = words
     for path, words in cases.items():
         with pytest.raises(ServerRequestError, match="refused the LoRA adapter bad") as err:
             lora_server.load_lora_adapter("bad", path)

@@ -103,11 +103,11 @@ class ModelEngine:
     # ---------------------------------------------------------------- scoring
     def _forward(self, adapters: Sequence[Optional[str]], **inputs: Any) -> Any:
         """The model's forward, each row with its LoRA adapter (`adapters`, one id or None per row: the base model)."""
-        if not self.adapters:  # none loaded: peft's layers, if any are left, do nothing
-            return self.model(**inputs)
         gone = sorted({a for a in adapters if a is not None} - self.adapters)
         if gone:  # peft would run such a row on the base model without a word
             raise ValueError(f"lora_path: the LoRA adapter ({', '.join(gone)}) was unloaded before this request ran")
+        if not self.adapters:  # none loaded: peft's layers, if any are left, do nothing
+            return self.model(**inputs)
         return self.peft(**inputs, adapter_names=[BASE_ROW if a is None else a for a in adapters])
 
     @torch.inference_mode()
@@ -312,18 +312,18 @@ class ModelEngine:
         config = self._adapter_config(Path(path), LoraConfig)
         adapter = f"adapter-{self._adapters_made}"
         self._adapters_made += 1
-        if self.peft is None:
-            self.peft = PeftModel(self.model, config, adapter_name=adapter)
-        else:
-            self.peft.add_adapter(adapter, config)
         try:
+            if self.peft is None:
+                self.peft = PeftModel(self.model, config, adapter_name=adapter)
+            else:
+                self.peft.add_adapter(adapter, config)
             result = self.peft.load_adapter(str(path), adapter_name=adapter, torch_device=str(self.device))
             self._check_adapter(Path(path), adapter, result.unexpected_keys)
-        except WeightFileError:
-            self.peft.delete_adapter(adapter)
-            raise
-        except (RuntimeError, ValueError, OSError) as err:  # e.g. a tensor of another shape than its module's
-            self.peft.delete_adapter(adapter)
+        except (RuntimeError, ValueError, OSError) as err:  # e.g. no such module, a tensor of another shape
+            if self.peft is not None and adapter in self.peft.peft_config:
+                self.peft.delete_adapter(adapter)
+            if isinstance(err, WeightFileError):
+                raise
             raise WeightFileError(f"{path}: {err}") from err
         finally:
             self.model.eval()

@@ -65,6 +65,11 @@ def test_bench_sync_quick_writes_json(tmp_path):
         assert len(by_rank) == figures["sync.zero3.ranks"] == 2 and all(math.isfinite(x) and x >= 0 for x in by_rank)
         assert figures[f"sync.zero3.bucket_{bucket}.peak_extra_fraction"] == max(by_rank)
     assert isinstance(figures["sync.zero3.memory_met"], bool) and isinstance(figures["sync.zero3.writers_met"], bool)
+    # LoRA: an adapter-only sync vs the merged full dump of the same policy
+    assert_finite_positive(figures, [f"sync.lora.{key}" for key in ("adapter_bytes", "merged_bytes", "bytes_ratio",
+                                                                    "adapter_s", "merged_s", "seconds_ratio")])
+    assert figures["sync.lora.adapter_bytes"] < figures["sync.lora.merged_bytes"]
+    assert isinstance(figures["sync.lora.bytes_met"], bool) and isinstance(figures["sync.lora.seconds_met"], bool)
 
 
 def test_bench_server_quick_writes_json(tmp_path):

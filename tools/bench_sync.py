@@ -20,6 +20,12 @@ bytes, with buckets of 1/8 and of 1/4 of the model (target
 <= 0.3 at 1/8); and the dump's wall time with both ranks writing their shards vs rank 0 writing all of them (same
 buckets of 1/8, same gathers; target <= 0.75).
 
+LoRA (r=16 on all linear layers, its B matrices made non-zero as after training), on the same server (started with
+`--enable-lora`; its first adapter comes after the measurements above): a weight sync of the adapter alone
+(`WeightSync` with `adapter_only`: dump + `/load_lora_adapter`, as the trainer pushes it) vs the merged full dump
+of the same policy (dump + `/update_weights_from_disk`): bytes written and seconds per sync (targets <= 5% of the
+bytes, <= 20% of the time), alternating, medians.
+
 Target: ours / bare <= 1.3. Each part of ours is reported (save, reload; the reload's steps are replayed in this
 process on the same files to split it; the seal's checksums and fsync), with the throughput of other checksums on
 the dump and what-if ratios (the checksums, or the whole seal, on the critical path before the rename; sha256
@@ -36,7 +42,7 @@ directory under /tmp, or under `--dir` (put it on the file system the dumps woul
 
 `--quick` (about a minute on 2 CPU cores) runs the tiny model (a ~0.4 MB dump), two repeats: it checks the
 harness only. `--json FILE` writes every figure under a stable key, e.g. `sync.ratio`, `sync.ours.checksum_s` or
-`sync.zero3.bucket_eighth.peak_extra_fraction` (`sync.ours.save_pretrained_s` is the shard writes: the name dates
+`sync.zero3.bucket_eighth.peak_extra_fraction`, `sync.lora.bytes_ratio` (`sync.ours.save_pretrained_s` is the shard writes: the name dates
 from when a dump called `save_pretrained`).
 """
 
@@ -74,6 +80,9 @@ from open_r1_ext.launch.local_server import BuiltinServer, free_port  # noqa: E4
 RATIO_TARGET = 1.3
 MEMORY_TARGET = 0.3  # peak extra resident memory of a ZeRO-3 dump per rank / model bytes, buckets of 1/8
 WRITERS_TARGET = 0.75  # ZeRO-3 dump wall time, two writers / one
+LORA_RANK = 16
+LORA_BYTES_TARGET, LORA_SECONDS_TARGET = 0.05, 0.20  # an adapter sync / the merged full sync of the same policy
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", str(LORA_RANK), "--lora-target-modules", "all")
 BUCKETS = {"eighth": 1 / 8, "quarter": 1 / 4}  # bucket sizes, as fractions of the model's bytes
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
          "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2}
@@ -238,7 +247,7 @@ def measure(models_root: Path, work: Path, setup: Setup) -> dict:
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     dump_bytes = sum(t.numel() * t.element_size() for t in state.values())
     runs: dict[str, list[dict]] = {"bare": [], "ours": [], "disk": []}
-    server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", str(torch.get_num_threads()))
+    server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", str(torch.get_num_threads()), *LORA_FLAGS)
     sync = weight_sync.WeightSync(Accelerator(cpu=True), str(work), 0, str(work / "weight_sync.jsonl"), [])
     with BuiltinServer(str(path), extra_args=server_args, log_path=str(work / "server.log")) as server:
         client = SGLangClient(server.url, max_retries=0)
@@ -247,8 +256,54 @@ def measure(models_root: Path, work: Path, setup: Setup) -> dict:
                      ("bare", lambda: bare(model, state, work)), ("ours", lambda: ours(model, sync, work, client, rep))]
             for name, side in sides if rep % 2 == 0 else sides[::-1]:
                 runs[name].append(side())
+        lora = lora_figures(path, work, client, setup.repeats)
     figures = summarize(runs, checksum_throughputs(work, state), dump_bytes, setup)
+    figures.update(lora)
     figures.update(zero3_figures(path, work, setup.repeats))
+    return figures
+
+
+# ------------------------------------------------------------------------------------------------------------ LoRA
+def lora_figures(path: Path, work: Path, client: SGLangClient, repeats: int) -> dict:
+    """An adapter-only sync vs the merged full sync of the same LoRA policy, on the server of `client`: bytes
+    written, seconds (dump + the server's load), medians of `repeats` alternating runs."""
+    import peft
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.01)
+    target = weight_sync.SyncTarget("generation", client, adapter=True)
+    sides = {"adapter": weight_sync.WeightSync(Accelerator(cpu=True), str(work / "adapter"), 0, str(work / "log"), [],
+                                               adapter_only=True),
+             "merged": weight_sync.WeightSync(Accelerator(cpu=True), str(work / "merged"), 0, str(work / "log"), [])}
+    runs: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for rep in range(repeats):
+        for name in sides if rep % 2 == 0 else list(sides)[::-1]:
+            os.sync()
+            start = time.perf_counter()
+            directory = sides[name].dump(model, rep)
+            if name == "adapter":
+                sides[name].push(target, directory, str(rep))
+            else:
+                client.update_weights_from_disk(str(directory), weight_version=f"lora-bench-{rep}")
+            seconds = time.perf_counter() - start
+            runs[name].append((sum(f.stat().st_size for f in directory.iterdir()), seconds))
+            shutil.rmtree(directory)
+    figures: dict = {"sync.lora.rank": LORA_RANK}
+    for name in sides:
+        figures[f"sync.lora.{name}_bytes"] = statistics.median(b for b, _ in runs[name])
+        figures[f"sync.lora.{name}_s"] = statistics.median(s for _, s in runs[name])
+    figures["sync.lora.bytes_ratio"] = figures["sync.lora.adapter_bytes"] / figures["sync.lora.merged_bytes"]
+    figures["sync.lora.seconds_ratio"] = figures["sync.lora.adapter_s"] / figures["sync.lora.merged_s"]
+    figures.update({"sync.lora.bytes_target": LORA_BYTES_TARGET, "sync.lora.seconds_target": LORA_SECONDS_TARGET,
+                    "sync.lora.bytes_met": figures["sync.lora.bytes_ratio"] <= LORA_BYTES_TARGET,
+                    "sync.lora.seconds_met": figures["sync.lora.seconds_ratio"] <= LORA_SECONDS_TARGET})
     return figures
 
 
@@ -437,7 +492,16 @@ def tables(f: dict) -> str:
          (f"dump wall time, two writers / one ({f['sync.zero3.two_writers_s']:.3f} s / {f['sync.zero3.one_writer_s']:.3f} s)",
           f"{f['sync.zero3.writers_ratio']:.2f}", f"<= {WRITERS_TARGET:g}", verdict(f["sync.zero3.writers_met"]))],
     )
-    return f"{main}\n\n{components}\n\n{background}\n\n{what_if}\n\n{zero3}"
+    lora = markdown_table(
+        (f"LoRA r={f['sync.lora.rank']}, all linear layers: one sync", "adapter only", "merged full dump", "ratio",
+         "target", "met"),
+        [("bytes written", f"{f['sync.lora.adapter_bytes'] / MB:,.2f} MB", f"{f['sync.lora.merged_bytes'] / MB:,.1f} MB",
+          f"{f['sync.lora.bytes_ratio']:.3f}", f"<= {LORA_BYTES_TARGET:g}", verdict(f["sync.lora.bytes_met"])),
+         ("seconds (dump + the server's load, median)", f"{f['sync.lora.adapter_s']:.3f} s",
+          f"{f['sync.lora.merged_s']:.3f} s", f"{f['sync.lora.seconds_ratio']:.2f}", f"<= {LORA_SECONDS_TARGET:g}",
+          verdict(f["sync.lora.seconds_met"]))],
+    )
+    return f"{main}\n\n{components}\n\n{background}\n\n{what_if}\n\n{zero3}\n\n{lora}"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -471,7 +535,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     print(header(facts) + f", at end: {facts['machine.load_average_1m_end']:.2f}; wall time: {facts['wall_s']:.1f} s")
     print(f"model: {setup.size}; dumps under {figures['config.dir']}; {setup.repeats} repeats, alternating; "
-          "server: built-in, --no-ref-slot, float32")
+          "server: built-in, --no-ref-slot, --enable-lora, float32")
     print()
     print(tables(figures))
     if args.json is not None:

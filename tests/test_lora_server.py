@@ -235,6 +235,8 @@ def test_adapters_the_server_cannot_serve_are_refused_by_name(lora_server, weigh
         "nan": ({}, lambda t: {k: v.fill_(float("nan")) if "lora_B" in k else v for k, v in t.items()}, "NaN or Inf"),
         "stray-tensor": ({}, lambda t: {**t, "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight":
                                          torch.zeros(4, 64)}, "tensors that fit no module"),
+        "missing-tensor": ({}, lambda t: {k: v for k, v in t.items() if "layers.1.mlp.down_proj.lora_B" not in k},
+                           "no tensor for base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"),
     }
     for name, (config_changes, tensor_change, words) in broken.items():
         shutil.copytree(weights / "step-1", weights / name)

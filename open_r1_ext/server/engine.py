@@ -296,19 +296,16 @@ class ModelEngine:
         how = f"mixed with alpha={mixup_alpha}" if mixup_alpha not in (None, 1.0) else "loaded"
         return f"Succeeded to update model weights: {how} {len(params)} tensors from {path}."
 
-
     # ------------------------------------------------------------ LoRA adapters
     @torch.no_grad()  # not inference_mode: peft sets requires_grad on adapter weights when another one is removed
     def load_adapter(self, path: str) -> str:
         """Load the PEFT LoRA adapter directory `path` (`adapter_config.json` + `adapter_model.safetensors`) beside the
         adapters already loaded; returns its id (for `GenerationTask.adapter`, `score`, `unload_adapter`). All or
         nothing: an adapter this server cannot serve (rank above `--max-lora-rank`, a module outside
-        `--lora-target-modules`, tensors that fit no module or are not finite, ...) raises `WeightFileError` and
-        leaves no trace."""
+        `--lora-target-modules`, tensors that fit no module, missing or not finite, ...) raises `WeightFileError` and
+        leaves no trace. Needs `lora` (the server's `--enable-lora`)."""
         from peft import LoraConfig, PeftModel
 
-        if self.lora is None:
-            raise WeightFileError("LoRA is not enabled: start the server with --enable-lora")
         config = self._adapter_config(Path(path), LoraConfig)
         adapter = f"adapter-{self._adapters_made}"
         self._adapters_made += 1
@@ -318,7 +315,7 @@ class ModelEngine:
             else:
                 self.peft.add_adapter(adapter, config)
             result = self.peft.load_adapter(str(path), adapter_name=adapter, torch_device=str(self.device))
-            self._check_adapter(Path(path), adapter, result.unexpected_keys)
+            self._check_adapter(Path(path), adapter, result)
         except (RuntimeError, ValueError, OSError) as err:  # e.g. no such module, a tensor of another shape
             if self.peft is not None and adapter in self.peft.peft_config:
                 self.peft.delete_adapter(adapter)
@@ -360,14 +357,19 @@ class ModelEngine:
                                   f"{self.lora.max_rank}; start the server with --max-lora-rank {rank} or more")
         return config
 
-    def _check_adapter(self, path: Path, adapter: str, unexpected: Sequence[str]) -> None:
-        """After loading: every tensor of the file went into a module, only modules `--lora-target-modules` names are
-        adapted, and every weight is finite."""
+    def _check_adapter(self, path: Path, adapter: str, loaded: Any) -> None:
+        """After loading (`loaded`: what `load_state_dict` reported): every tensor of the file went into a module and
+        every module the adapter adapts got its tensors, only modules `--lora-target-modules` names are adapted, and
+        every weight is finite."""
         from peft.tuners.lora import LoraLayer
 
-        if unexpected:
+        if loaded.unexpected_keys:
             raise WeightFileError(f"{path / ADAPTER_WEIGHTS}: tensors that fit no module of the served model: "
-                                  f"{', '.join(sorted(unexpected)[:5])}")
+                                  f"{', '.join(sorted(loaded.unexpected_keys)[:5])}")
+        missing = sorted(k.replace(f".{adapter}", "") for k in loaded.missing_keys if f".{adapter}." in k and ".lora_" in k)
+        if missing:
+            raise WeightFileError(f"{path / ADAPTER_WEIGHTS}: no tensor for {', '.join(missing[:5])}"
+                                  + (" ..." if len(missing) > 5 else ""))
         adapted = {name.rsplit(".", 1)[-1] for name, module in self.model.named_modules()
                    if isinstance(module, LoraLayer) and (adapter in module.lora_A or adapter in module.lora_embedding_A)}
         allowed = self.lora.target_modules

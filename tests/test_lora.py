@@ -2,6 +2,8 @@
 that peft and the servers load; the server samples with it by name, and the reference is the server's base model."""
 
 import json
+import logging
+import signal
 from pathlib import Path
 
 import peft
@@ -149,3 +151,54 @@ def test_a_lora_run_samples_from_its_adapters_and_scores_with_the_base_model(tin
     assert check.checked == [3, 4] and check.policy_diff <= 1e-5 and check.reference_diff <= 1e-5
     rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert [(r["step"], r["weight_version"]) for r in rollouts][-2:] == [(3, 2), (4, 3)]  # the checkpoint's adapter
+
+
+class RestartServer(TrainerCallback):
+    """After optimizer step `step` (and its sync): kill the server (SIGKILL) and start it again on the same port,
+    without the adapters it held."""
+
+    def __init__(self, server: BuiltinServer, step: int):
+        self.server, self.step, self.restarted = server, step, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.server.stop(signal.SIGKILL)
+            self.restarted = BuiltinServer(self.server.model_path, port=self.server.port,
+                                           log_path=str(self.server.log_path), extra_args=self.server.extra_args).start()
+
+
+def test_a_restarted_server_gets_the_adapter_again_and_async_keeps_the_adapters_in_flight(tiny_model, tmp_path, caplog):
+    """The server restarts after step 2's sync, losing its adapters: the next batch, naming policy-v2, is refused
+    naming it; the trainer loads it again and samples with it. Then, with async generation (one step of look-ahead),
+    the adapters the batches read ahead may name (the newest two) stay loaded, older ones are unloaded."""
+    server = BuiltinServer(str(tiny_model), log_path=str(tmp_path / "server.log"), extra_args=("--no-ref-slot", *LORA_FLAGS))
+    restart = RestartServer(server.start(), step=2)
+    try:
+        trainer = lora_trainer(tiny_model, tmp_path / "run", server.url, max_steps=3, save_strategy="steps",
+                               save_steps=3)
+        check = ServerMatchesPolicy(trainer, server.url)
+        trainer.add_callback(check)  # before the restart: step 2 is checked on the server that loaded it
+        trainer.add_callback(restart)
+        with caplog.at_level(logging.WARNING, logger="open_r1_ext.trainer.generation"):
+            trainer.train()
+        assert "policy-v2" in caplog.text and "loading it again" in caplog.text
+        assert check.checked == [1, 2, 3] and check.policy_diff <= 1e-5 and check.reference_diff <= 1e-5
+        rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+        assert [(r["step"], r["weight_version"]) for r in rollouts] == [(1, 0), (2, 1), (3, 2)]
+
+        resumed = lora_trainer(tiny_model, tmp_path / "run", server.url, max_steps=6, async_generation=True)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+        rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+        assert [r["staleness"] for r in rollouts][3:] and max(r["staleness"] for r in rollouts[3:]) <= 1
+        client = SGLangClient(server.url)
+        for version, loaded in ((6, True), (5, True), (4, False), (3, False)):
+            try:
+                client.generate([PROMPT], sampling_params(2), lora_path=f"policy-v{version}")
+                held = True
+            except ServerRequestError:
+                held = False
+            assert held == loaded, version
+    finally:
+        server.stop()
+        if restart.restarted is not None:
+            restart.restarted.stop()

@@ -146,6 +146,12 @@ def test_an_adapter_serves_the_merged_model_and_no_lora_path_the_base(lora_serve
                 want = logprobs_of(models["step-1"], prompt + completion.token_ids)[len(prompt) - 1:]
                 assert close(completion.logprobs, want)
         assert score(lora_server, PROMPTS[:1], "policy-v1") != score(lora_server, PROMPTS[:1])  # the adapter counts
+        # the prompt's top log-probs too (another path of the engine)
+        body = {**reference_request(PROMPTS[:1]), "top_logprobs_num": 1, "lora_path": "policy-v1"}
+        tops = lora_server.post_json("/generate", body)[0]["meta_info"]["input_top_logprobs"][1:]
+        with torch.inference_mode():
+            logits = models["step-1"](input_ids=torch.tensor(PROMPTS[:1])).logits[0, :-1]
+        assert close([top[0][0] for top in tops], torch.log_softmax(logits, -1).max(-1).values.tolist())
     finally:
         lora_server.unload_lora_adapter("policy-v1")
 

@@ -61,8 +61,8 @@ class _Weights:
 class Replica:
     """One server of the pool: its client, state, confirmed weight version, loaded adapters and tokens in flight."""
 
-    def __init__(self, name: str, url: str, client: SGLangClient, from_directory: bool):
-        self.name, self.url, self.client, self.from_directory = name, url, client, from_directory
+    def __init__(self, name: str, url: str, client: SGLangClient):
+        self.name, self.url, self.client = name, url, client
         self.state = JOINING
         self.version: Optional[str] = None  # the weight version it last confirmed
         self.adapters: dict[str, str] = {}  # LoRA adapters it loaded: name -> path
@@ -173,9 +173,9 @@ class ServerPool:
         """The replica that sampled each prompt's completions in the last `generate` call of this thread."""
         return getattr(self._placement, "names", None)
 
-    def _addresses(self) -> dict[str, tuple[str, bool]]:
-        """`{name: (url, from_directory)}`: the static URLs and the address directory's files."""
-        found = {url: (url, False) for url in self.urls}
+    def _addresses(self) -> dict[str, str]:
+        """`{name: url}`: the static URLs (named by themselves) and the address directory's files."""
+        found = {url: url for url in self.urls}
         if self.directory is None:
             return found
         try:
@@ -191,7 +191,7 @@ class ServerPool:
                 continue
             if address:
                 url = (address if "://" in address else f"http://{address}").rstrip("/") + self.route
-                found[entry.name[: -len(ADDRESS_SUFFIX)]] = (url, True)
+                found[entry.name[: -len(ADDRESS_SUFFIX)]] = url
         return found
 
     def _refresh(self, force: bool = False) -> None:
@@ -207,12 +207,12 @@ class ServerPool:
             found = self._addresses()
             with self._lock:
                 for name, replica in list(self._replicas.items()):
-                    if found.get(name, (None,))[0] != replica.url:
+                    if found.get(name) != replica.url:
                         del self._replicas[name]
                         logger.warning("%s replica %s left the pool (its address file is gone)", self.role, replica)
-                for name, (url, from_directory) in found.items():
+                for name, url in found.items():
                     if name not in self._replicas:
-                        replica = Replica(name, url, SGLangClient(url, **self._client_settings), from_directory)
+                        replica = Replica(name, url, SGLangClient(url, **self._client_settings))
                         self._replicas[name] = replica
                         started.append(self._start_join(replica))
                 for replica in self._replicas.values():
@@ -489,6 +489,12 @@ class ServerPool:
             self._weights = _Weights(str(model_path), None if weight_version is None else str(weight_version), extra)
         self._serving()  # replicas lost on the way: wait for them to come back (with these weights)
         return {"success": True, "message": f"{len(confirmed)} replica(s) loaded {model_path}", "replicas": confirmed}
+
+    def expect_weights(self, model_path: str, weight_version: Optional[str] = None, **extra: Any) -> None:
+        """Take an update another process's pool made (the main trainer process's) as this pool's weights: no
+        request is sent, but a replica not at `weight_version` is caught up (replaying it) before it serves here."""
+        with self._lock:
+            self._weights = _Weights(str(model_path), None if weight_version is None else str(weight_version), extra)
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """Every serving replica loads the adapter (replayed to each replica that joins later)."""

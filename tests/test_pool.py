@@ -180,6 +180,18 @@ def test_a_restarted_replica_is_caught_up_and_not_served_from_until_then():
         assert all(c.weight_version == "2" for group in pool.generate([[1, 1]], SAMPLING) for c in group)
 
 
+def test_a_pool_of_another_trainer_process_takes_the_main_processes_weights_as_its_own():
+    with FakeSGLang() as a, FakeSGLang() as b:
+        main, other = ServerPool([a.url, b.url]), ServerPool([a.url, b.url])
+        other.generate([[1, 2], [3, 4]], SAMPLING)
+        main.update_weights_from_disk("/dumps/step-3", weight_version="3")
+        other.expect_weights("/dumps/step-3", "3")  # what WeightSync.confirm does on the other processes
+        b.weight_version = "default"  # b restarted since
+        groups = other.generate([[1, 2], [3, 4]], SAMPLING)
+        assert {c.weight_version for group in groups for c in group} == {"3"} and b.weight_version == "3"
+        assert [path for path in a.paths("POST") if path != "/generate"] == ["/update_weights_from_disk"]  # main's
+
+
 def test_a_refused_reload_names_the_replica():
     with FakeSGLang() as a, FakeSGLang() as b:
         b.update_weights_from_disk = lambda body: (400, {"error": {"message": "cannot read the dump"}})

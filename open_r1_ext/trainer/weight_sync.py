@@ -92,6 +92,10 @@ class SyncTarget:
             return self.client.replicas_holding(adapter_name(self.version))
         return self.client.replicas_at(self.version)
 
+    def reload_extra(self) -> dict:
+        """The extra fields of its `/update_weights_from_disk` calls: the soft update's `mixup_alpha`, if any."""
+        return {} if self.mixup_alpha in (None, 1.0) else {"mixup_alpha": self.mixup_alpha}
+
 
 def adapter_name(version: str) -> str:
     """The name a LoRA adapter dump of weight version `version` is loaded and sampled under."""
@@ -416,6 +420,9 @@ class WeightSync:
     def confirm(self, targets: list[SyncTarget], path: Path, step: int) -> None:
         for target in targets:
             target.version, target.path, target.step = target.version_for(step), path, step
+            if isinstance(target.client, ServerPool) and not target.adapter and not self.accelerator.is_main_process:
+                # another process's pool: what the main process's pool loaded is what its replicas must hold
+                target.client.expect_weights(str(path.resolve()), target.version, **target.reload_extra())
         if self.accelerator.is_main_process:
             confirmed = [(t.role, t.version, t.confirmed_by()) for t in targets]
             seal = self._in_background(self._seal_log_and_prune, step, path, confirmed)
@@ -457,8 +464,7 @@ class WeightSync:
     @staticmethod
     def _load_weights(target: SyncTarget, path: Path, version: str) -> Optional[str]:
         """`/update_weights_from_disk`; None once the server reports `version`, else what it reports."""
-        extra = {} if target.mixup_alpha in (None, 1.0) else {"mixup_alpha": target.mixup_alpha}
-        target.client.update_weights_from_disk(str(path.resolve()), weight_version=version, **extra)
+        target.client.update_weights_from_disk(str(path.resolve()), weight_version=version, **target.reload_extra())
         reported = target.client.weight_version()
         return None if reported == version else f"the server reports weight_version {reported!r}, expected {version!r}"
 

@@ -37,6 +37,13 @@ def test_bench_trainer_quick_writes_json(tmp_path):
         "trainer.stock.seconds_per_step", "trainer.remote.seconds_per_step",
         "trainer.seconds_per_step_ratio", "trainer.rss_saving_target", "trainer.seconds_per_step_target",
         "machine.cpu_cores",
+        # the rows beside them: no prefetch, beta=0 (no reference), CPU seconds and the perfect-overlap bound
+        "trainer.no_prefetch_seconds_per_step_ratio", "trainer.beta0_seconds_per_step_ratio",
+        "trainer.reference_free_limit_ratio",
+        *(f"trainer.{run}.{name}" for run in ("stock", "remote", "remote_no_prefetch", "stock_beta0", "remote_beta0")
+          for name in ("seconds_per_step", "cpu_seconds_per_step", "cores_bound_seconds_per_step")),
+        "trainer.remote.server_cpu_seconds_per_step", "trainer.remote.part.timing/train",
+        "trainer.remote.part.background/reference",
     ])
     # the tiny model of --quick holds a ~0.4 MB reference: its RSS saving is within noise, may even be negative
     assert math.isfinite(figures["trainer.rss_saving_bytes"]) and math.isfinite(figures["trainer.rss_saving_fraction"])
@@ -85,4 +92,9 @@ def test_bench_async_quick_writes_json(tmp_path):
     figures = run_quick_bench("bench_async.py", tmp_path / "async.json")
     assert_finite_positive(figures, ["async.sync_seconds_per_step", "async.async_seconds_per_step", "async.ratio",
                                      "async.sync_generation_share", "async.machine_parallel_speedup",
-                                     "async.best_ratio_on_this_machine", "machine.cpu_cores"])
+                                     "async.best_ratio_on_this_machine", "machine.cpu_cores",
+                                     "async.sync_rollout_chain_share", "async.ratio_over_best", "async.target_over_best",
+                                     "async.last_round.sync.timing/generate", "async.last_round.sync.timing/reload_wait",
+                                     "async.last_round.async.background/generate"])
+    assert isinstance(figures["async.met"], bool) and len(figures["async.round_ratio"]) == figures["async.rounds"] == 1
+    assert figures["async.sync_generation_share"] < figures["async.sync_rollout_chain_share"] < 1

@@ -8,19 +8,31 @@ reference differs; float32 on CPU, bf16 off):
    (`--child stock|remote`), since a process's peak RSS only grows; it reports its own VmHWM. The server process is
    not counted: moving the reference out of the trainer is the point. Target: saving >= 0.8 x the reference
    model's parameter bytes (parameters x element size, counted in the stock run).
-2. Seconds per step, remote / stock, mean over the steps after the first (warm-up). Target <= 1.1. The server
-   computes the reference pass on the same cores while the trainer waits for it: that is part of the honest cost.
+2. Seconds per step, remote / stock, mean over the steps after the first (warm-up). Target <= 1.1 (issue #13 aims
+   at <= 0.9). The server computes the reference pass on the same cores while the trainer waits for it: that is
+   part of the honest cost.
+
+Beside them, rows that say where the ratio comes from: the remote run with `prefetch_reference=False` (the
+reference asked in line, when TRL asks for it), and both trainers with `beta=0` (no reference at all: the limit a
+remote reference could reach if it cost nothing). Every run also counts the CPU seconds per step of the trainer
+process and of the server (`/proc`), and `(trainer + server CPU) / cores` is the step a perfect overlap of both on
+this machine's cores would take: when the stock run already keeps the cores busy, moving the reference to a server
+on the same cores cannot make the step shorter than that.
 
 Both children, and the server's reference pass, run with the same torch thread count (`--threads`, default: the
 number of cores); runs alternate stock/remote across repeats and the table gives medians (and, as a cross-check
 robust to load spikes from other work on the machine, the median of all timed steps). The model is built with
 `tools/make_tiny_model.py` (`size="100m"`, ~104M parameters) into a temporary directory, or into `--model-dir`.
 
-    python tools/bench_trainer.py [--quick] [--json FILE] [--model-dir DIR] [--threads N]
+    python tools/bench_trainer.py [--quick] [--json FILE] [--model-dir DIR] [--threads N] [--runs KIND,...]
 
 `--quick` (under a minute on 2 CPU cores) runs the tiny model, 2 steps, one run each: it checks the harness, and
 its RSS saving is within noise (the tiny reference is ~0.4 MB). `--json FILE` also writes every figure under a
-stable key, e.g. `trainer.rss_saving_fraction` or `trainer.seconds_per_step_ratio`.
+stable key, e.g. `trainer.rss_saving_fraction`, `trainer.seconds_per_step_ratio` (remote / stock),
+`trainer.no_prefetch_seconds_per_step_ratio`, `trainer.beta0_seconds_per_step_ratio` (remote / stock, both beta=0),
+`trainer.reference_free_limit_ratio` (stock beta=0 / stock), `trainer.<run>.cores_bound_seconds_per_step` and the
+remote trainer's step-time parts in seconds, `trainer.<run>.part.timing/<part>` and `trainer.<run>.part.background/<name>`.
+`--runs` picks a subset of the runs (e.g. `--runs stock,remote` while profiling); stock and remote are always run.
 """
 
 from __future__ import annotations
@@ -45,6 +57,14 @@ from bench_common import (MIB, arithmetic_prompts, header, machine_facts, markdo
 
 SAVING_TARGET = 0.8  # of the reference's parameter bytes
 STEP_TIME_TARGET = 1.1  # remote / stock
+# The runs, each a fresh process: (trainer, beta, prefetch_reference). "remote" asks a server for the reference.
+RUNS = {
+    "stock": ("stock", 0.04, None),
+    "remote": ("remote", 0.04, True),
+    "remote_no_prefetch": ("remote", 0.04, False),
+    "stock_beta0": ("stock", 0.0, None),
+    "remote_beta0": ("remote", 0.0, None),
+}
 
 
 @dataclass(frozen=True)
@@ -72,18 +92,26 @@ def proc_status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def train_settings(output_dir: Path, setup: Setup) -> dict:
+def train_settings(output_dir: Path, setup: Setup, beta: float) -> dict:
     return dict(output_dir=str(output_dir), per_device_train_batch_size=setup.batch, num_generations=setup.generations,
-                max_completion_length=setup.completion_len, max_steps=setup.steps, beta=0.04, learning_rate=1e-5,
+                max_completion_length=setup.completion_len, max_steps=setup.steps, beta=beta, learning_rate=1e-5,
                 seed=42, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all its threads (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def length_reward(completions, **kwargs) -> list[float]:
     return [len(c[0]["content"]) / 10.0 for c in completions]
 
 
-def child(kind: str, model: str, setup: Setup, threads: int, output_dir: Path, ref_url: Optional[str]) -> dict:
-    """Train `setup.steps` steps; return peak RSS, RSS before training, per-step seconds, losses."""
+def child(run: str, model: str, setup: Setup, threads: int, output_dir: Path, ref_url: Optional[str],
+          server_pid: int) -> dict:
+    """Train `setup.steps` steps of `RUNS[run]`; return peak RSS, RSS before training, per-step seconds and CPU
+    seconds (this process, the server), losses and the step-time parts the remote trainer logs."""
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -91,23 +119,31 @@ def child(kind: str, model: str, setup: Setup, threads: int, output_dir: Path, r
     from open_r1_ext.trainer.remote_trainer import RemoteReference
 
     class StepClock(TrainerCallback):
+        """Wall time, this process's CPU time and the server's at the start and after each step."""
+
+        def mark(self) -> tuple[float, float, float]:
+            return time.perf_counter(), time.process_time(), process_cpu_seconds(server_pid)
+
         def on_train_begin(self, args, state, control, **kwargs):
-            self.marks = [time.perf_counter()]
+            self.marks = [self.mark()]
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.marks.append(time.perf_counter())
+            self.marks.append(self.mark())
 
     torch.set_num_threads(threads)
     dataset = arithmetic_prompts(64)
-    settings = train_settings(output_dir, setup)
+    kind, beta, prefetch = RUNS[run]
+    settings = train_settings(output_dir, setup, beta)
     if kind == "stock":
         args = GRPOConfig(**settings)
         trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset)
-        reference_bytes = sum(p.numel() * p.element_size() for p in trainer.ref_model.parameters())
+        reference = trainer.ref_model.parameters() if trainer.ref_model is not None else ()
+        reference_bytes = sum(p.numel() * p.element_size() for p in reference)
     else:
-        args = RemoteGRPOConfig(**settings, ref_model_url=ref_url)
+        remote = {"ref_model_url": ref_url, "prefetch_reference": prefetch} if beta else {}
+        args = RemoteGRPOConfig(**settings, **remote)
         trainer = RemoteGRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset)
-        if not isinstance(trainer.ref_model, RemoteReference):
+        if beta and not isinstance(trainer.ref_model, RemoteReference):
             raise RuntimeError(f"the remote run built a local reference: {type(trainer.ref_model).__name__}")
         reference_bytes = 0
     rss_after_init = proc_status_bytes("VmRSS")
@@ -115,10 +151,15 @@ def child(kind: str, model: str, setup: Setup, threads: int, output_dir: Path, r
     trainer.add_callback(clock)
     trainer.train()
     marks = clock.marks
+    timed = [h for h in trainer.state.log_history if "step_wall_time" in h][1:]  # the remote trainer's, after step 1
+    parts = sorted({key for h in timed for key in h if key.startswith(("timing/", "background/"))})
     return {
         "peak_rss_bytes": proc_status_bytes("VmHWM"),
         "rss_after_init_bytes": rss_after_init,
-        "step_seconds": [b - a for a, b in zip(marks, marks[1:])],
+        "step_seconds": [b[0] - a[0] for a, b in zip(marks, marks[1:])],
+        "cpu_seconds": [b[1] - a[1] for a, b in zip(marks, marks[1:])],
+        "server_cpu_seconds": [b[2] - a[2] for a, b in zip(marks, marks[1:])],
+        "parts": {key: statistics.mean(h.get(key, 0.0) for h in timed) for key in parts},
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "reference_param_bytes": reference_bytes,
         "torch_threads": torch.get_num_threads(),
@@ -126,27 +167,28 @@ def child(kind: str, model: str, setup: Setup, threads: int, output_dir: Path, r
 
 
 # ---------------------------------------------------------------- parent: the server, the runs, the table
-def run_child(kind: str, model: Path, setup: Setup, threads: int, output_dir: Path, ref_url: str) -> dict:
-    """`--child kind` in a fresh interpreter; its result is the last line of its stdout."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--setup", json.dumps(asdict(setup)),
-               "--model", str(model), "--threads", str(threads), "--out-dir", str(output_dir), "--ref-url", ref_url]
+def run_child(run: str, model: Path, setup: Setup, threads: int, output_dir: Path, server) -> dict:
+    """`--child run` in a fresh interpreter; its result is the last line of its stdout."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", run, "--setup", json.dumps(asdict(setup)),
+               "--model", str(model), "--threads", str(threads), "--out-dir", str(output_dir), "--ref-url", server.url,
+               "--server-pid", str(server.process.pid)]
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if done.returncode != 0:
-        raise RuntimeError(f"{kind} run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{run} run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(models_root: Path, work: Path, setup: Setup, threads: int) -> dict:
-    """Alternate stock and remote runs (stock first on even repeats) against one built-in server."""
+def measure(models_root: Path, work: Path, setup: Setup, threads: int, chosen: list[str]) -> dict:
+    """The `chosen` runs against one built-in server, their order reversed on odd repeats."""
     from open_r1_ext.launch.local_server import BuiltinServer
 
     path = model_dir(models_root, setup.size)
-    runs: dict[str, list[dict]] = {"stock": [], "remote": []}
+    runs: dict[str, list[dict]] = {run: [] for run in chosen}
     server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", str(threads))
     with BuiltinServer(str(path), extra_args=server_args, log_path=str(work / "server.log")) as server:
         for rep in range(setup.repeats):
-            for kind in ("stock", "remote") if rep % 2 == 0 else ("remote", "stock"):
-                runs[kind].append(run_child(kind, path, setup, threads, work / f"{kind}-{rep}", server.url))
+            for run in chosen if rep % 2 == 0 else chosen[::-1]:
+                runs[run].append(run_child(run, path, setup, threads, work / f"{run}-{rep}", server))
     return summarize(runs, setup)
 
 
@@ -155,6 +197,7 @@ def summarize(runs: dict[str, list[dict]], setup: Setup) -> dict:
                      "trainer.repeats": setup.repeats, "trainer.completions_per_step": setup.batch,
                      "trainer.completion_len": setup.completion_len,
                      "trainer.torch_threads": runs["stock"][0]["torch_threads"]}
+    cores = os.cpu_count() or 1
     for kind, results in runs.items():
         per_run = [statistics.mean(r["step_seconds"][1:]) for r in results]
         figures[f"trainer.{kind}.peak_rss_bytes"] = statistics.median(r["peak_rss_bytes"] for r in results)
@@ -163,6 +206,12 @@ def summarize(runs: dict[str, list[dict]], setup: Setup) -> dict:
         timed_steps = [t for r in results for t in r["step_seconds"][1:]]
         figures[f"trainer.{kind}.median_step_seconds"] = statistics.median(timed_steps)
         figures[f"trainer.{kind}.step_seconds"] = [r["step_seconds"] for r in results]
+        for name in ("cpu_seconds", "server_cpu_seconds"):
+            figures[f"trainer.{kind}.{name}_per_step"] = statistics.median(statistics.mean(r[name][1:]) for r in results)
+        figures[f"trainer.{kind}.cores_bound_seconds_per_step"] = (
+            figures[f"trainer.{kind}.cpu_seconds_per_step"] + figures[f"trainer.{kind}.server_cpu_seconds_per_step"]) / cores
+        for part in sorted({part for r in results for part in r["parts"]}):
+            figures[f"trainer.{kind}.part.{part}"] = statistics.median(r["parts"].get(part, 0.0) for r in results)
     reference = runs["stock"][0]["reference_param_bytes"]
     saving = figures["trainer.stock.peak_rss_bytes"] - figures["trainer.remote.peak_rss_bytes"]
     ratio = figures["trainer.remote.seconds_per_step"] / figures["trainer.stock.seconds_per_step"]
@@ -180,6 +229,13 @@ def summarize(runs: dict[str, list[dict]], setup: Setup) -> dict:
         "trainer.loss_max_abs_diff": max(abs(a - b) for s, r in zip(runs["stock"], runs["remote"])
                                          for a, b in zip(s["losses"], r["losses"])),
     })
+    step = lambda run: figures[f"trainer.{run}.seconds_per_step"]  # noqa: E731
+    if "remote_no_prefetch" in runs:
+        figures["trainer.no_prefetch_seconds_per_step_ratio"] = step("remote_no_prefetch") / step("stock")
+    if "stock_beta0" in runs:
+        figures["trainer.reference_free_limit_ratio"] = step("stock_beta0") / step("stock")
+    if {"stock_beta0", "remote_beta0"} <= runs.keys():
+        figures["trainer.beta0_seconds_per_step_ratio"] = step("remote_beta0") / step("stock_beta0")
     return figures
 
 
@@ -202,8 +258,34 @@ def table(f: dict) -> str:
         ("median seconds of one step (steps 2.., all runs): robust to load spikes",
          f"{f['trainer.stock.median_step_seconds']:.3f} s", f"{f['trainer.remote.median_step_seconds']:.3f} s",
          f"remote / stock {f['trainer.median_step_ratio']:.3f}", "-", "-"),
+        ("(trainer + server CPU seconds per step) / cores: a perfectly overlapped step on these cores",
+         f"{f['trainer.stock.cores_bound_seconds_per_step']:.3f} s",
+         f"{f['trainer.remote.cores_bound_seconds_per_step']:.3f} s",
+         f"remote bound / stock {f['trainer.remote.cores_bound_seconds_per_step'] / f['trainer.stock.seconds_per_step']:.3f}",
+         "-", "-"),
     ]
+    if "trainer.no_prefetch_seconds_per_step_ratio" in f:
+        rows.append(("seconds per step, reference not prefetched (prefetch_reference=False)",
+                     f"{f['trainer.stock.seconds_per_step']:.3f} s",
+                     f"{f['trainer.remote_no_prefetch.seconds_per_step']:.3f} s",
+                     f"remote / stock {f['trainer.no_prefetch_seconds_per_step_ratio']:.3f}", "-", "-"))
+    if "trainer.beta0_seconds_per_step_ratio" in f:
+        rows.append(("seconds per step with beta=0 (no reference at all)",
+                     f"{f['trainer.stock_beta0.seconds_per_step']:.3f} s",
+                     f"{f['trainer.remote_beta0.seconds_per_step']:.3f} s",
+                     f"remote / stock {f['trainer.beta0_seconds_per_step_ratio']:.3f}", "-", "-"))
+    if "trainer.reference_free_limit_ratio" in f:
+        rows.append(("the limit: stock beta=0 / stock beta=0.04 (a reference that cost nothing)",
+                     f"{f['trainer.stock.seconds_per_step']:.3f} s", f"{f['trainer.stock_beta0.seconds_per_step']:.3f} s",
+                     f"{f['trainer.reference_free_limit_ratio']:.3f}", "-", "-"))
     return markdown_table(("measurement", "stock (local ref)", "remote ref", "ratio / saving", "target", "met"), rows)
+
+
+def parts_line(f: dict, run: str) -> str:
+    """The remote trainer's step-time parts of `run` (means over steps 2..), longest first."""
+    prefix = f"trainer.{run}.part."
+    parts = sorted(((value, key[len(prefix):]) for key, value in f.items() if key.startswith(prefix)), reverse=True)
+    return f"{run}: " + ", ".join(f"{name} {value:.3f} s" for value, name in parts if value >= 0.0005)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -215,24 +297,33 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads of both trainer runs and of the server")
     child_args = parser.add_argument_group("internal: one training run (started by the benchmark itself)")
-    child_args.add_argument("--child", choices=("stock", "remote"), default=None)
+    parser.add_argument("--runs", default=",".join(RUNS), type=lambda text: text.split(","),
+                        help=f"comma-separated runs (of {', '.join(RUNS)}; stock and remote are always run)")
+    child_args.add_argument("--child", choices=tuple(RUNS), default=None)
     child_args.add_argument("--setup", type=lambda text: Setup(**json.loads(text)), default=None)
     child_args.add_argument("--model", default=None)
     child_args.add_argument("--out-dir", type=Path, default=None)
     child_args.add_argument("--ref-url", default=None)
-    return parser.parse_args(argv)
+    child_args.add_argument("--server-pid", type=int, default=None)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.runs) - set(RUNS))
+    if unknown:
+        parser.error(f"--runs: unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     if args.child is not None:
-        print(json.dumps(child(args.child, args.model, args.setup, args.threads, args.out_dir, args.ref_url)))
+        print(json.dumps(child(args.child, args.model, args.setup, args.threads, args.out_dir, args.ref_url,
+                               args.server_pid)))
         return
     started = time.perf_counter()
     facts = machine_facts(args.quick)
     setup = QUICK if args.quick else FULL
     with tempfile.TemporaryDirectory(prefix="bench_trainer-") as tmp:
-        figures = measure(args.model_dir or Path(tmp), Path(tmp), setup, args.threads)
+        chosen = ["stock", "remote", *(run for run in RUNS if run in args.runs and run not in ("stock", "remote"))]
+        figures = measure(args.model_dir or Path(tmp), Path(tmp), setup, args.threads, chosen)
     facts.update({"machine.load_average_1m_end": os.getloadavg()[0], "wall_s": time.perf_counter() - started})
     figures.update(facts)
 
@@ -243,6 +334,10 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"tokens per step, beta 0.04, local generation; torch threads per trainer and server: "
           f"{figures['trainer.torch_threads']}; reference server: built-in, --no-ref-slot, not counted in RSS; "
           f"losses stock vs remote differ by <= {figures['trainer.loss_max_abs_diff']:.1e}")
+    print("step-time parts of the remote trainer (timing/* on the training thread, background/* beside it):")
+    for run in chosen:
+        if run.startswith("remote"):
+            print("  " + parts_line(figures, run))
     print()
     print(table(figures))
     if args.json is not None:

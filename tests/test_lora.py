@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.launch.recipe import RecipeError, load_recipe
 from open_r1_ext.protocol import sampling_params
 from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
 from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE, WeightSync
@@ -202,3 +203,26 @@ def test_a_restarted_server_gets_the_adapter_again_and_async_keeps_the_adapters_
         server.stop()
         if restart.restarted is not None:
             restart.restarted.stop()
+
+
+def test_a_lora_recipe_starts_its_generation_server_for_adapters(tiny_model):
+    """`model.use_peft`: the generation server's command gets the LoRA flags (rank, modules; `all` for `all-linear`),
+    the built-in one no `/ref` slot, and the reference in an SGLang generation server is its base model."""
+    from open_r1_ext.launch.slurm_plan import ShellVar, SlurmPlan
+    from tests.slurm_helpers import RECIPE, REPO
+
+    items = [f"model.name_or_path={tiny_model}", "model.use_peft=true", "model.lora_r=8", "model.lora_target_modules=all-linear"]
+    plan = SlurmPlan(load_recipe(REPO / RECIPE, items), items)
+    command = [str(w) for w in plan.server_command("server", 0, ShellVar("HEAD_NODE"))]
+    assert "--no-ref-slot" in command and " ".join(command).count("--enable-lora --max-lora-rank 8 --lora-target-modules all ") == 1
+    assert plan.recipe.role_urls("http://node-1:30000", None) == ("http://node-1:30000", "http://node-1:30000")
+    sglang = "{engine: sglang, resources: {gpus_per_node: 1}}"
+    items += [f"servers.generation={sglang}", "model.lora_target_modules=[q_proj, v_proj]"]
+    plan = SlurmPlan(load_recipe(REPO / RECIPE, items), items)  # reference: generation on SGLang: valid with use_peft
+    command = " ".join(str(w) for w in plan.server_command("server", 0, ShellVar("HEAD_NODE")))
+    assert "-m sglang.launch_server" in command and "--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj" in command
+    assert plan.recipe.model.peft_config().target_modules == {"q_proj", "v_proj"}
+    one = load_recipe(REPO / RECIPE, [*items, "model.lora_target_modules=[q_proj]"])  # TRL would make it a regex
+    assert one.model.peft_config().target_modules == {"q_proj"}
+    with pytest.raises(RecipeError, match="servers.reference: an SGLang server holds one model"):
+        load_recipe(REPO / RECIPE, [*items, "model.use_peft=false"])

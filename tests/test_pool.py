@@ -153,6 +153,7 @@ def test_a_joiner_is_brought_to_the_pools_weights_and_adapters_before_it_serves(
         deadline = time.monotonic() + 10
         while "102" not in (pool.served_by() or ()) and time.monotonic() < deadline:
             pool.generate([[1, 2], [3, 4]], SAMPLING, lora_path="policy-v5")
+            time.sleep(0.05)
         assert "102" in pool.served_by()
         paths = b.paths("POST")
         assert paths.index("/update_weights_from_disk") < paths.index("/load_lora_adapter") < paths.index("/generate")

@@ -28,8 +28,9 @@ demo: venv tiny-model
 	@echo "run directory: runs/demo  (look at it: .venv/bin/open-r1-ext status runs/demo)"
 	@echo "plot:          runs/demo/plot.png"
 
+# Two pytest-xdist workers: the SLURM tests (one group, tests/conftest.py) on one, the rest beside them.
 test: venv tiny-model
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 clean:
 	rm -rf runs

@@ -64,3 +64,12 @@ def tiny_run(tmp_path, tiny_model):
         leftover = [job_id for job_id, _, _ in run.jobs()]
         if leftover:
             subprocess.run(["scancel", *leftover], check=False)
+
+
+def pytest_collection_modifyitems(items):
+    """The tests on the local SLURM cluster run one after the other on one pytest-xdist worker (`make test` runs
+    `pytest -n 2 --dist loadgroup`): they share the cluster's one node and check its queue, and starting it twice at
+    once would race; the other worker runs the rest beside them."""
+    for item in items:
+        if {"slurm_cluster", "tiny_run"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("slurm"))

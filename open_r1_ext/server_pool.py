@@ -36,6 +36,7 @@ T = TypeVar("T")
 # the others; the pool as a whole waits for replicas up to its `wait_timeout` (the trainer's `server_wait_timeout`).
 REPLICA_MAX_RETRIES = 2
 RESCAN_INTERVAL = 2.0  # seconds between two scans of the address directory (and re-probes of dropped replicas)
+MAX_ROUNDS = 20  # times a part of one batch is sent before the pool gives up on it
 HEALTH_TIMEOUT = 2.0  # seconds a probe of a joiner's /health may take
 ADDRESS_SUFFIX = ".addr"
 JOINING, SERVING, DROPPED = "joining", "serving", "dropped"
@@ -414,8 +415,12 @@ class ServerPool:
         the name of the replica that answered each unit."""
         results: list[Any] = [None] * len(costs)
         names: list[str] = [""] * len(costs)
-        pending = list(range(len(costs)))
+        pending, rounds = list(range(len(costs))), 0
         while pending:
+            rounds += 1
+            if rounds > MAX_ROUNDS:  # replicas that keep failing or answering from other weights, never settling
+                raise ServerError(f"{self.role} servers: {len(pending)} part(s) of a batch failed on every replica "
+                                  f"tried, {MAX_ROUNDS} times{self._lost_text()}")
             plan = self._assign(pending, costs, self._serving())
             pending = []
 

@@ -181,6 +181,18 @@ def test_a_restarted_replica_is_caught_up_and_not_served_from_until_then():
         assert all(c.weight_version == "2" for group in pool.generate([[1, 1]], SAMPLING) for c in group)
 
 
+def test_a_replica_that_never_answers_from_the_pools_weights_stops_the_batch(monkeypatch):
+    monkeypatch.setattr("open_r1_ext.server_pool.MAX_ROUNDS", 3)
+    with FakeSGLang() as a:
+        pool = ServerPool([a.url])
+        pool.update_weights_from_disk("/dumps/step-3", weight_version="3")
+        a.weight_version = "default"  # its samples say so, while /model_info keeps saying 3
+        reported = a.model_info
+        a.model_info = lambda: {**reported(), "weight_version": "3"}
+        with pytest.raises(ServerError, match="1 part.s. of a batch failed on every replica tried, 3 times"):
+            pool.generate([[1, 2]], SAMPLING)
+
+
 def test_a_pool_of_another_trainer_process_takes_the_main_processes_weights_as_its_own():
     with FakeSGLang() as a, FakeSGLang() as b:
         main, other = ServerPool([a.url, b.url]), ServerPool([a.url, b.url])

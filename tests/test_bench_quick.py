@@ -98,3 +98,13 @@ def test_bench_async_quick_writes_json(tmp_path):
                                      "async.last_round.async.background/generate"])
     assert isinstance(figures["async.met"], bool) and len(figures["async.round_ratio"]) == figures["async.rounds"] == 1
     assert figures["async.sync_generation_share"] < figures["async.sync_rollout_chain_share"] < 1
+
+
+def test_bench_pool_quick_writes_json(tmp_path):
+    figures = run_quick_bench("bench_pool.py", tmp_path / "pool.json")
+    assert_finite_positive(figures, [
+        *(f"pool.generate.{name}" for name in ("one_tokens_per_s", "two_tokens_per_s", "speedup", "bound",
+                                               "bound_before", "bound_after", "ratio_to_bound", "target")),
+        "pool.sync.one_s", "pool.sync.two_s", "pool.sync.ratio", "pool.sync.target", "machine.cpu_cores",
+    ])
+    assert isinstance(figures["pool.generate.met"], bool) and isinstance(figures["pool.sync.met"], bool)

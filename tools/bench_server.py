@@ -41,12 +41,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
+from bench_common import alternate, header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
 
 from open_r1_ext.sglang_client import SGLangClient  # noqa: E402
 from open_r1_ext.launch.local_server import BuiltinServer  # noqa: E402
@@ -113,22 +113,6 @@ class Row:
             f"{self.key}.baseline_samples_s": self.baseline_samples_s,
             f"{self.key}.ours_samples_s": self.ours_samples_s,
         }
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def alternate(baseline: Callable[[], object], ours: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
-    """Time both `repeats` times, swapping which goes first each round so drift in machine load hits both."""
-    times: dict[str, list[float]] = {"baseline": [], "ours": []}
-    order = [("baseline", baseline), ("ours", ours)]
-    for rep in range(repeats):
-        for name, fn in order if rep % 2 == 0 else order[::-1]:
-            times[name].append(timed(fn))
-    return times["baseline"], times["ours"]
 
 
 @torch.inference_mode()

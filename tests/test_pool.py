@@ -229,6 +229,10 @@ def served(output_dir: Path) -> list[list[str]]:
     return [e["replicas"] for e in read_jsonl(output_dir / "rollouts.jsonl")]
 
 
+# the tests on the four real servers of `replicas` run on one pytest-xdist worker, which starts them once
+on_real_servers = pytest.mark.xdist_group("pool-replicas")
+
+
 @pytest.fixture(scope="module")
 def replicas(tiny_model):
     """Four built-in servers on the tiny model, started at once: `a` and `b` are shared (their weights restored by
@@ -253,6 +257,7 @@ def pool_config(output_dir: Path, **settings):
     return tiny_config(output_dir, per_device_train_batch_size=8, num_generations=4, **settings)
 
 
+@on_real_servers
 def test_a_static_pool_of_two_trains_with_both_replicas_serving_and_confirming_every_sync(pair, tiny_model, tmp_path):
     a, b = pair
     recipe = tiny_recipe(tmp_path, tiny_model, max_steps=3)  # 2 prompts x 4 samples a step, the reference in /ref
@@ -265,6 +270,7 @@ def test_a_static_pool_of_two_trains_with_both_replicas_serving_and_confirming_e
         assert SGLangClient(srv.url).weight_version() == "3"
 
 
+@on_real_servers
 def test_a_replica_killed_mid_run_is_dropped_and_the_run_finishes(pair, replicas, tiny_model, tmp_path):
     a, c = pair[0], replicas["c"]
     killer = KillServerAt(c, step=1)
@@ -279,6 +285,7 @@ def test_a_replica_killed_mid_run_is_dropped_and_the_run_finishes(pair, replicas
     assert trainer.remote_generation.client.replicas() == {a.url: "serving", c.url: "dropped"}
 
 
+@on_real_servers
 def test_a_joiner_gets_the_current_weights_before_it_serves(pair, tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.2)
     a, b = pair
@@ -305,6 +312,7 @@ def test_a_joiner_gets_the_current_weights_before_it_serves(pair, tiny_model, tm
         assert torch.equal(x, y)
 
 
+@on_real_servers
 def test_below_min_replicas_the_trainer_stops_with_a_checkpoint_naming_the_lost_replica(pair, replicas, tiny_model,
                                                                                           tmp_path):
     a, d = pair[0], replicas["d"]

@@ -36,49 +36,6 @@ def trained_lora(model_path: Path, **config) -> peft.PeftModel:
     return model.eval()
 
 
-def test_an_adapter_dump_is_what_peft_saves_and_loads(tiny_model, tmp_path):
-    """The dump (buckets smaller than one tensor) holds the adapter alone, under `save_pretrained`'s names, with its
-    config and a manifest; peft loads it into the base model and gives the policy's logits; the policy is untouched."""
-    model = trained_lora(tiny_model)
-    before = {name: param.clone() for name, param in model.named_parameters()}
-    sync = WeightSync(Accelerator(cpu=True), str(tmp_path / "weights"), 0, str(tmp_path / "log"), [],
-                      bucket_mb=0.001, adapter_only=True)
-    path = sync.dump(model, 3)
-    assert path == tmp_path / "weights" / "step-3"
-    assert sorted(p.name for p in path.iterdir()) == sorted([ADAPTER_FILE, ADAPTER_CONFIG, MANIFEST])
-    check_manifest(path, checksums=False)
-    model.save_pretrained(tmp_path / "saved")
-    saved = load_file(str(tmp_path / "saved" / ADAPTER_FILE))
-    dumped = read_weight_dir(path)
-    assert sorted(dumped) == sorted(saved) and all(torch.equal(dumped[k], saved[k]) for k in saved)
-    config = json.loads((path / ADAPTER_CONFIG).read_text())
-    assert config["r"] == 4 and config["inference_mode"] and config["peft_type"] == "LORA"
-    assert sorted(config["target_modules"]) == sorted(json.loads((tmp_path / "saved" / ADAPTER_CONFIG).read_text())["target_modules"])
-    # a few percent of the model's bytes
-    full = sum(t.numel() * t.element_size() for t in read_weight_dir(tiny_model).values())
-    assert sum(t.numel() * t.element_size() for t in dumped.values()) < 0.2 * full
-    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(path)).eval()
-    ids = torch.tensor([[1, 5, 9, 20, 3, 7]])
-    with torch.no_grad():
-        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-6)
-    assert all(torch.equal(before[name], param) for name, param in model.named_parameters())
-
-
-def test_zero3_lora_on_two_processes_dumps_the_unsharded_adapter(tiny_model, tmp_path):
-    """DeepSpeed ZeRO-3, 2 gloo processes, every LoRA parameter partitioned: the adapter dump, gathered in buckets of
-    1 kB, equals the adapter gathered whole, and peft loads it."""
-    result = launch(tiny_model, tmp_path, "lora")
-    assert result.returncode == 0, result.stderr[-5000:]
-    report = json.loads((tmp_path / "zero3.json").read_text())
-    assert report["local_numel"] == 0 < report["full_numel"] and report["buckets"] > 4
-    dump = Path(report["path"])
-    check_manifest(dump, checksums=False)
-    dumped, whole = read_weight_dir(dump), load_file(str(tmp_path / "whole.safetensors"))
-    assert sorted(dumped) == sorted(whole) and all(torch.equal(dumped[k], whole[k]) for k in whole)
-    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in dumped.items())  # it trained a step
-    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(dump))
-
-
 LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "all")
 PROMPT = [1, 5, 9, 20, 3, 7, 11]
 
@@ -124,6 +81,57 @@ def lora_trainer(tiny_model: Path, output_dir: Path, url: str, **settings) -> Re
     return RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
                              peft_config=peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
 
+
+def test_an_adapter_dump_is_what_peft_saves_and_loads(tiny_model, tmp_path):
+    """The dump (buckets smaller than one tensor) holds the adapter alone, under `save_pretrained`'s names, with its
+    config and a manifest; peft loads it into the base model and gives the policy's logits; the policy is untouched."""
+    model = trained_lora(tiny_model)
+    before = {name: param.clone() for name, param in model.named_parameters()}
+    sync = WeightSync(Accelerator(cpu=True), str(tmp_path / "weights"), 0, str(tmp_path / "log"), [],
+                      bucket_mb=0.001, adapter_only=True)
+    path = sync.dump(model, 3)
+    assert path == tmp_path / "weights" / "step-3"
+    assert sorted(p.name for p in path.iterdir()) == sorted([ADAPTER_FILE, ADAPTER_CONFIG, MANIFEST])
+    check_manifest(path, checksums=False)
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(str(tmp_path / "saved" / ADAPTER_FILE))
+    dumped = read_weight_dir(path)
+    assert sorted(dumped) == sorted(saved) and all(torch.equal(dumped[k], saved[k]) for k in saved)
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    assert config["r"] == 4 and config["inference_mode"] and config["peft_type"] == "LORA"
+    assert sorted(config["target_modules"]) == sorted(json.loads((tmp_path / "saved" / ADAPTER_CONFIG).read_text())["target_modules"])
+    # a few percent of the model's bytes
+    full = sum(t.numel() * t.element_size() for t in read_weight_dir(tiny_model).values())
+    assert sum(t.numel() * t.element_size() for t in dumped.values()) < 0.2 * full
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(path)).eval()
+    ids = torch.tensor([[1, 5, 9, 20, 3, 7]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-6)
+    assert all(torch.equal(before[name], param) for name, param in model.named_parameters())
+
+
+def test_zero3_lora_on_two_processes_syncs_adapters_equal_to_the_unsharded_one(tiny_model, lora_server, tmp_path):
+    """DeepSpeed ZeRO-3, 2 gloo processes, every LoRA parameter partitioned, against the built-in server: each sync
+    loads the step's adapter and both processes sample with it (a process naming an adapter the server does not hold
+    fails); an adapter dump gathered in buckets of 1 kB equals the adapter gathered whole, and peft loads it."""
+    result = launch(tiny_model, tmp_path, "lora", lora_server.url)
+    assert result.returncode == 0, result.stderr[-5000:]
+    log = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["weight_version"]) for e in log] == [(1, "1"), (2, "2")]
+    rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["weight_version"]) for r in rollouts] == [(1, 0), (2, 1)]
+    client = SGLangClient(lora_server.url)
+    client.generate([PROMPT], sampling_params(2), lora_path="policy-v2")
+    with pytest.raises(ServerRequestError, match="policy-v1"):
+        client.generate([PROMPT], sampling_params(2), lora_path="policy-v1")
+    report = json.loads((tmp_path / "zero3.json").read_text())
+    assert report["local_numel"] == 0 < report["full_numel"] and report["buckets"] > 4
+    dump = Path(report["path"])
+    check_manifest(dump, checksums=False)
+    dumped, whole = read_weight_dir(dump), load_file(str(tmp_path / "whole.safetensors"))
+    assert sorted(dumped) == sorted(whole) and all(torch.equal(dumped[k], whole[k]) for k in whole)
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in dumped.items())  # it trained
+    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(dump))
 
 def test_a_lora_run_samples_from_its_adapters_and_scores_with_the_base_model(tiny_model, lora_server, tmp_path):
     """A tiny run with a PEFT policy against one built-in server: each sync loads the step's adapter (`policy-vN`),
@@ -226,3 +234,4 @@ def test_a_lora_recipe_starts_its_generation_server_for_adapters(tiny_model):
     assert one.model.peft_config().target_modules == {"q_proj"}
     with pytest.raises(RecipeError, match="servers.reference: an SGLang server holds one model"):
         load_recipe(REPO / RECIPE, [*items, "model.use_peft=false"])
+

@@ -235,3 +235,14 @@ def test_a_lora_recipe_starts_its_generation_server_for_adapters(tiny_model):
     with pytest.raises(RecipeError, match="servers.reference: an SGLang server holds one model"):
         load_recipe(REPO / RECIPE, [*items, "model.use_peft=false"])
 
+
+
+@pytest.mark.parametrize("settings, lora, message", [
+    (dict(sync_ref_model=True, ref_model_url="http://127.0.0.1:9"), {}, "sync_ref_model=True with a PEFT policy"),
+    (dict(generation_url="http://127.0.0.1:9"), dict(use_dora=True), "plain LoRA adapters, not this LoraConfig"),
+])
+def test_what_adapter_sync_refuses_before_training(tiny_model, tmp_path, settings, lora, message):
+    """A reference sync (the reference is the base model: TRL refuses it too) and adapters no server loads (DoRA)."""
+    with pytest.raises(ValueError, match=message):
+        RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=tiny_config(tmp_path, **settings),
+                          train_dataset=tiny_dataset(), peft_config=peft.LoraConfig(r=4, target_modules="all-linear", **lora))

@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_recipe_arguments(launch)
     launch.add_argument("--executor", choices=("slurm", "local"), default="slurm",
                         help="slurm: sbatch jobs; local: the same jobs as processes on this machine")
-    launch.add_argument("--dry-run", action="store_true", help="print both jobs' parameters and commands; submit nothing")
+    launch.add_argument("--dry-run", action="store_true", help="print every job's parameters and commands; submit nothing")
     launch.set_defaults(func=cmd_launch)
 
     add = sub.add_parser("add-server", help="submit one more server replica for a running run (sbatch); it joins the "

@@ -2,6 +2,7 @@
 SLURM cluster and a tiny run on it."""
 
 import os
+import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from tools.make_tiny_model import make_tiny_model
 
 from open_r1_ext.launch.local_server import BuiltinServer, free_port
-from tests.slurm_helpers import REPO, TinyRun
+from tests.slurm_helpers import REPO, TinyRun, fake_slurm_commands
 
 # One torch thread per process: the tests run trainers and servers side by side on 2 cores, and OpenMP pools that
 # together want more threads than there are cores spin against each other (two trainer tests: 51 s with the default,
@@ -49,6 +50,27 @@ def slurm_cluster() -> None:
     """The local one-node cluster, started as CI does; a failure to start fails the tests with its output."""
     started = subprocess.run(["bash", "tools/local_slurm.sh", "start"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert started.returncode == 0, f"tools/local_slurm.sh start failed:\n{started.stdout}\n{started.stderr}"
+
+
+@pytest.fixture()
+def fake_slurm(tmp_path, monkeypatch):
+    """`make(squeue_lines, squeue_error, sbatch_ok)`: stand-in `squeue`, `scancel` and `sbatch`
+    (`slurm_helpers.fake_slurm_commands`) first on PATH, for the job runtime's tests without a cluster; returns the
+    file of their calls."""
+    def make(squeue_lines: str = "", squeue_error: str = "", sbatch_ok: int = 99) -> Path:
+        calls = fake_slurm_commands(tmp_path / "bin", squeue_lines, squeue_error, sbatch_ok)
+        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+        return calls
+    return make
+
+
+@pytest.fixture()
+def signal_handlers():
+    """The job runtime installs its own SIGTERM/SIGHUP handlers; give pytest its own back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture()

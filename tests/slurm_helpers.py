@@ -105,3 +105,4 @@ def fake_slurm_commands(bin_dir: Path, squeue_lines: str = "", squeue_error: str
         script.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{body}\n')
         script.chmod(0o755)
     return calls
+

@@ -16,17 +16,7 @@ from open_r1_ext.launch.jobs import (SUBMITIT, JobContext, JobRef, JobWatch, Lau
                                      run_trainer_job)
 from open_r1_ext.launch.recipe import load_recipe
 from open_r1_ext.launch.slurm_plan import POLL_S, TRAINER, SlurmPlan
-from tests.slurm_helpers import RECIPE, REPO, fake_slurm_commands
-
-
-@pytest.fixture()
-def fake_slurm(tmp_path, monkeypatch):
-    """`make(squeue_lines)`: fake squeue/scancel first on PATH; returns the file of their calls."""
-    def make(squeue_lines: str = "", squeue_error: str = ""):
-        calls = fake_slurm_commands(tmp_path / "bin", squeue_lines, squeue_error)
-        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-        return calls
-    return make
+from tests.slurm_helpers import RECIPE, REPO
 
 
 @pytest.fixture()
@@ -36,15 +26,6 @@ def plan(tiny_model, tmp_path, monkeypatch):
     overrides = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path / 'run'}",
                  "servers.generation.url=http://127.0.0.1:9"]
     return SlurmPlan(load_recipe(RECIPE, overrides), overrides)
-
-
-@pytest.fixture()
-def signal_handlers():
-    """The job runtime installs its own SIGTERM/SIGHUP handlers; give pytest its own back."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 def test_context_needs_a_slurm_job():
@@ -91,7 +72,8 @@ def test_the_trainer_job_ends_the_run_and_cancels_every_live_replica(fake_slurm,
     register_jobs(plan.files, [JobRef("server", "6"), server])  # 5 again: listed once
     assert plan.files.jobs.read_text().splitlines()[:4] == ["SERVER_JOB=5,6", "TRAINER_JOB=77", "EXECUTOR=slurm",
                                                             "LAUNCHER=sbatch"]
-    end_run(plan, ctx, me, 1, {"5": "http://node-2:30000"}, JobWatch([me, server]), echo=lambda m: None)
+    jobs.record(plan.files, "server job 5: healthy at http://node-2:30000", echo=lambda m: None)  # its URL
+    end_run(plan, ctx, me, 1, JobWatch([me, server]), echo=lambda m: None)
     status = (plan.files.status).read_text()
     assert f"trainer job 77: cancelled server job(s) {cancelled}" in status
     assert calls.read_text().splitlines()[-1] == f"scancel {cancelled}"

@@ -7,6 +7,7 @@ cancels its jobs; `--dry-run` and an invalid recipe submit nothing; a preempted 
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 import signal
@@ -39,8 +40,11 @@ def processes_of(run) -> list[str]:
 
 @pytest.mark.parametrize("executor, layout", [("slurm", "shared"), ("local", "separate")])
 def test_launch_runs_the_servers_then_the_trainer_and_cancels_the_servers(executor, layout, request, tiny_run, monkeypatch):
+    """On SLURM with two generation replicas (each holding the reference in its /ref slot): both serve and confirm
+    every sync; locally with a reference server of its own."""
     if executor == "slurm":
         request.getfixturevalue("slurm_cluster")
+        tiny_run.overrides.append("servers.generation.replicas=2")
     monkeypatch.chdir(REPO)  # recipe paths are relative to the repository root, as for sbatch
     reference = {"shared": "generation", "separate": "{dtype: float32, resources: {gpus_per_node: 0, cpus_per_task: 1}}"}
     tiny_run.overrides.append(f"servers.reference={reference[layout]}")
@@ -49,13 +53,20 @@ def test_launch_runs_the_servers_then_the_trainer_and_cancels_the_servers(execut
     output, status = "\n".join(lines), tiny_run.status()
     assert code == 0, f"{output}\n{status}"
     roles = ["server", "ref-server"] if layout == "separate" else ["server"]
-    ready = next(line for line in lines if line.startswith("servers ready: "))
-    assert all(f"'{role}': 'http://" in ready for role in roles), ready
-    logs = tiny_run.run_dir / "logs"
-    assert_trained(tiny_run, *logs.glob("trainer/*_0_log.out"), *(p for role in roles for p in logs.glob(f"{role}/*_0_log.out")))
     ids = tiny_run.job_ids()
+    replicas = {role: ids[f"{role.upper().replace('-', '_')}_JOB"].split(",") for role in roles}
+    assert len(replicas["server"]) == (2 if executor == "slurm" else 1)
+    ready = next(line for line in lines if line.startswith("servers ready: "))
+    assert all(f"'{job}': 'http://" in ready for jobs in replicas.values() for job in jobs), ready
+    logs = tiny_run.run_dir / "logs"
+    server_logs = [logs / role / f"{job}_0_log.out" for role, jobs in replicas.items() for job in jobs]
+    assert_trained(tiny_run, *logs.glob("trainer/*_0_log.out"), *server_logs)  # every replica served
+    if executor == "slurm":
+        syncs = [e for e in map(json.loads, (tiny_run.run_dir / "weight_sync.jsonl").read_text().splitlines())
+                 if e["role"] == "generation"]
+        assert syncs and all(sorted(e["replicas"]) == sorted(replicas["server"]) for e in syncs)  # both confirmed each
     assert f"trainer job {ids['TRAINER_JOB']}: succeeded" in status
-    server_ids = " ".join(ids[f"{role.upper().replace('-', '_')}_JOB"] for role in roles)
+    server_ids = " ".join(job for jobs in replicas.values() for job in jobs)
     assert f"trainer job {ids['TRAINER_JOB']}: cancelled server job(s) {server_ids}" in status, status
     tiny_run.wait_for_no_jobs()
     wait_until(lambda: not processes_of(tiny_run), 30, "the run's processes to exit")

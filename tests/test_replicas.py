@@ -7,8 +7,6 @@ real built-in servers. tests/test_slurm.py and test_launcher.py run replicas on 
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +19,7 @@ from open_r1_ext.launch.jobs import (JobRef, JobWatch, LaunchError, add_server, 
 from open_r1_ext.launch.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.run_status import format_status, run_status
 from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
-from tests.slurm_helpers import RECIPE, REPO, fake_slurm_commands
+from tests.slurm_helpers import RECIPE, REPO
 
 TWO_PARTITIONS = ("servers.generation.resources=[{gpus_per_node: 0, cpus_per_task: 1}, "
                   "{gpus_per_node: 0, cpus_per_task: 2, mem: 4G, partition: cpu-big}]")
@@ -36,24 +34,6 @@ def make_plan(tiny_model, tmp_path, monkeypatch):
         items = [f"model.name_or_path={tiny_model}", f"trainer.output_dir={tmp_path / 'run'}", *overrides]
         return SlurmPlan(load_recipe(RECIPE, items), items)
     return make
-
-
-@pytest.fixture()
-def fake_slurm(tmp_path, monkeypatch):
-    def make(squeue_lines: str = "", sbatch_ok: int = 99):
-        calls = fake_slurm_commands(tmp_path / "bin", squeue_lines, sbatch_ok=sbatch_ok)
-        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-        return calls
-    return make
-
-
-@pytest.fixture()
-def signal_handlers():
-    """The job runtime installs its own SIGTERM/SIGHUP handlers; give pytest its own back."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 # ------------------------------------------------------------------------------------------ recipe
@@ -85,6 +65,7 @@ def test_each_replica_job_gets_its_resources_entry_and_partition(make_plan):
     plan = make_plan("servers.generation.replicas=2", "servers.generation.min_replicas=1", TWO_PARTITIONS)
     assert plan.jobs_of("server") == [("server job 1/2", 0), ("server job 2/2", 1)]
     assert plan.jobs_of("trainer") == [("trainer job", 0)]
+    assert plan.recipe.servers.describe() == "generation on 2 builtin server replicas, reference in the generation server"
     first, second = plan.sbatch_args("server", 0), plan.sbatch_args("server", 1)
     assert "--partition=debug" in first and "--cpus-per-task=1" in first and "--mem=4G" not in first
     assert "--partition=cpu-big" in second and "--cpus-per-task=2" in second and "--mem=4G" in second
@@ -94,8 +75,7 @@ def test_each_replica_job_gets_its_resources_entry_and_partition(make_plan):
     with pytest.raises(PlanError, match=r"servers.generation.resources: no entry 2 \(resources index\), it has 2"):
         plan.check_index("server", 2)
     uniform = make_plan("servers.generation.replicas=3")
-    assert [index for _, index in uniform.jobs_of("server")] == [0, 1, 2]
-    assert uniform.sbatch_args("server", 2) == uniform.sbatch_args("server", 0)  # one mapping for all
+    assert [index for _, index in uniform.jobs_of("server")] == [0, 0, 0]  # one mapping for all
     with pytest.raises(PlanError, match="no entry 1"):
         uniform.check_index("server", 1)
 
@@ -108,8 +88,9 @@ def test_sbatch_launch_submits_every_replica_then_the_trainer(make_plan, fake_sl
     assert submit_run(plan, echo=lambda m: None) == 0
     sbatch = [line for line in calls.read_text().splitlines() if line.startswith("sbatch ")]
     assert len(sbatch) == 4
-    for i, line in enumerate(sbatch[:3]):
-        assert line.endswith(f"--role server --resources-index {i}") and "serve.slurm" in line
+    for line in sbatch[:3]:
+        assert line.endswith("--role server --resources-index 0") and "serve.slurm" in line  # one mapping for all
+        plan.check_index("server", int(line.split()[-1]))  # what the server job checks first
     assert "--dependency=after:100:101 --kill-on-invalid-dep=yes" in sbatch[3] and "train.slurm" in sbatch[3]
     env = jobs.read_jobs_env(plan.files)
     assert (env["SERVER_JOB"], env["TRAINER_JOB"], env["LAUNCHER"]) == ("100,101,102", "103", "sbatch")

@@ -7,8 +7,10 @@ an error naming the server job; an invalid recipe submits nothing. The plan test
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,28 +93,52 @@ def test_time_limits_in_minutes():
 
 
 # ---------------------------------------------------------------------------------- real SLURM
-def test_grpo_slurm_runs_server_and_trainer_and_leaves_no_job(slurm_cluster, tiny_run, tmp_path):
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_grpo_slurm_runs_two_replicas_one_replaced_mid_run_and_leaves_no_job(slurm_cluster, tiny_run, tmp_path):
+    """`replicas: 2, min_replicas: 2` under sbatch: three jobs; both replicas serve batches and confirm every sync.
+    Once both have served, the first is scancelled: the trainer waits (below min_replicas) until a replacement from
+    `open-r1-ext add-server` joins with the current weights (it confirms every sync from its first on) and serves;
+    the run finishes, every step once; the trainer job cancels the replicas left, and nothing of the run is left in
+    squeue or the address directory."""
+    tiny_run.overrides += ["servers.generation.replicas=2", "servers.generation.min_replicas=2", "trainer.max_steps=12"]
     submitted = run_script("sbatch", "--parsable", f"--output={tmp_path}/submit-%j.out", "slurm/grpo.slurm", RECIPE,
                            *tiny_run.set_args)
     assert submitted.returncode == 0, submitted.stderr
     submit_job = submitted.stdout.strip().split(";")[0]
-    jobs_file = tiny_run.run_dir / "jobs.env"
+    run_dir, rollouts = tiny_run.run_dir, tiny_run.run_dir / "rollouts.jsonl"
     try:
-        wait_until(lambda: jobs_file.exists() or slurm_state(submit_job) not in ("PENDING", "CONFIGURING", "RUNNING"),
-                   120, "grpo.slurm to submit the jobs")
-        assert jobs_file.exists(), (tmp_path / f"submit-{submit_job}.out").read_text()
+        wait_until(lambda: (run_dir / "jobs.env").exists() and "TRAINER_JOB" in (run_dir / "jobs.env").read_text()
+                   or slurm_state(submit_job) not in ("PENDING", "CONFIGURING", "RUNNING"), 120, "grpo.slurm to submit")
         ids = tiny_run.job_ids()
-        server, trainer = ids["SERVER_JOB"], ids["TRAINER_JOB"]
+        first, second = ids["SERVER_JOB"].split(",")
+        trainer = ids["TRAINER_JOB"]
+        wait_until(lambda: {first, second} <= {r for e in jsonl(rollouts) for r in e.get("replicas", [])}, JOB_WAIT_S,
+                   "both replicas to serve a batch")
+        subprocess.run(["scancel", first], check=True)
+        added = run_script(sys.executable, "-m", "open_r1_ext.cli", "add-server", run_dir)
+        assert added.returncode == 0, added.stderr
+        third = tiny_run.job_ids()["SERVER_JOB"].split(",")[2]
         tiny_run.wait_for_no_jobs()
     finally:
         subprocess.run(["scancel", submit_job], check=False)
-    logs = tiny_run.run_dir / "logs"
-    assert_trained(tiny_run, logs / f"trainer-{trainer}.out", logs / f"server-{server}.out")
-    assert slurm_state(trainer) == "COMPLETED" and slurm_state(server) == "CANCELLED"
+    logs = run_dir / "logs"
+    assert_trained(tiny_run, logs / f"trainer-{trainer}.out", *(logs / f"server-{job}.out" for job in (first, second, third)))
+    assert slurm_state(trainer) == "COMPLETED"
     status = tiny_run.status()
-    assert f"server job {server}: healthy at http://" in status
-    assert f"trainer job {trainer}: succeeded" in status and f"cancelled server job(s) {server}" in status
-    assert not (tiny_run.run_dir / "replicas" / "server" / f"{server}.addr").exists()  # withdrawn when the server stopped
+    assert f"server job {third}: healthy at http://" in status and f"trainer job {trainer}: succeeded" in status
+    assert f"trainer job {trainer}: cancelled server job(s) {second} {third}" in status
+    syncs = [e for e in jsonl(run_dir / "weight_sync.jsonl") if e["role"] == "generation"]
+    assert [e["step"] for e in syncs] == list(range(1, len(syncs) + 1)) and len(syncs) >= 11  # each step once
+    assert all(second in e["replicas"] for e in syncs)  # the replica that stayed confirmed every sync
+    left = max(i for i, e in enumerate(syncs) if first in e["replicas"])
+    assert all(first in e["replicas"] for e in syncs[:left + 1])  # until it was cancelled
+    joined = next(i for i, e in enumerate(syncs) if third in e["replicas"])
+    assert joined > left and all(third in e["replicas"] for e in syncs[joined:])
+    assert any(third in e.get("replicas", []) for e in jsonl(rollouts))  # the newcomer served batches
+    assert not list((run_dir / "replicas" / "server").glob("*.addr"))  # every replica withdrew its address
 
 
 def start_long_run(run) -> tuple[str, str]:
@@ -127,17 +153,24 @@ def start_long_run(run) -> tuple[str, str]:
     return ids["SERVER_JOB"], ids["TRAINER_JOB"]
 
 
-def test_scancel_of_the_server_stops_the_trainer_with_an_error_naming_it(slurm_cluster, tiny_run):
-    tiny_run.overrides += ["trainer.max_retries=2", "trainer.request_timeout=10"]
-    server, trainer = start_long_run(tiny_run)
-    subprocess.run(["scancel", server], check=True)
+def test_scancel_of_every_replica_stops_the_trainer_with_an_error_naming_them(slurm_cluster, tiny_run):
+    """Both replicas scancelled: the trainer waits for replicas (up to trainer.server_wait_timeout), then stops with a
+    checkpoint to resume from; the trainer job's end names both server jobs and their URLs."""
+    tiny_run.overrides += ["servers.generation.replicas=2", "trainer.max_retries=2", "trainer.request_timeout=10",
+                           "trainer.server_wait_timeout=60"]
+    servers, trainer = start_long_run(tiny_run)
+    subprocess.run(["scancel", *servers.split(",")], check=True)
     tiny_run.wait_for_no_jobs()
     assert slurm_state(trainer) == "FAILED"
-    url = re.search(rf"server job {server}: healthy at (http://\S+)", tiny_run.status()).group(1)
-    failure = f"trainer job {trainer}: failed (exit 1); server job {server} ({url}) is no longer running (CANCELLED)"
-    assert failure in tiny_run.status()
+    status = tiny_run.status()
+    urls = {job: re.search(rf"server job {job}: healthy at (http://\S+)", status).group(1) for job in servers.split(",")}
+    failure = f"trainer job {trainer}: failed (exit 1)" + "".join(
+        f"; server job {job} ({url}) is no longer running (CANCELLED)" for job, url in urls.items())
+    assert failure in status
     trainer_err = (tiny_run.run_dir / "logs" / f"trainer-{trainer}.err").read_text()
-    assert failure in trainer_err and url in trainer_err.split(failure)[0]  # the trainer's own error names the URL
+    assert failure in trainer_err
+    stopped = re.search(r"Training stopped at step \d+\. A checkpoint to resume from is in (\S+):", trainer_err)
+    assert stopped and (Path(stopped.group(1)) / "trainer_state.json").is_file(), trainer_err[-3000:]
 
 
 def test_a_requeued_trainer_keeps_its_servers_which_stop_once_it_is_gone(slurm_cluster, tiny_run):

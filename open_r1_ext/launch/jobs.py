@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import fcntl
 import os
+import re
 import shlex
 import signal
 import socket
@@ -263,6 +264,19 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+HEALTHY_EVENT = re.compile(r" (?:server|ref-server) job (\S+): healthy at (http://\S+)$")  # `_advertise_when_healthy`
+
+
+def replica_urls(files: RunFiles) -> dict[str, str]:
+    """`{job id: URL}` of every server replica of the run that became healthy: its address file, or once that is
+    withdrawn, the job's last `healthy at URL` line in status.log."""
+    lines = files.status.read_text().splitlines() if files.status.is_file() else []
+    urls = {match.group(1): match.group(2) for line in lines if (match := HEALTHY_EVENT.search(line))}
+    for role in (SERVER, REF_SERVER):
+        urls.update(advertised(files, role))
+    return urls
+
+
 def advertised(files: RunFiles, role: str) -> dict[str, str]:
     """`{name: URL}` of the replicas of a role in its address directory (`<name>.addr`, `name` the job id)."""
     found = {}
@@ -510,17 +524,15 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
     if missing:
         raise LaunchError(f"{me}: {files.jobs} names no {' or '.join(missing)} job; launch the run with "
                           "slurm/grpo.slurm or open-r1-ext launch")
-    watch, urls, process, code, ended = JobWatch([me, *servers]), {}, None, 1, False
+    watch, process, code, ended = JobWatch([me, *servers]), None, 1, False
     stop_on_signals()
     files.logs.mkdir(parents=True, exist_ok=True)
     try:
         if lead:
             record(files, f"{me}: started on {','.join(ctx.nodes)}", echo)
         for role, replicas in wait_for_replicas(plan, watch, echo).items():
-            urls.update(replicas)
-            if lead:
-                for job_id, url in replicas.items():
-                    record(files, f"{me}: {role} job {job_id} is up at {url}", echo)
+            for job_id, url in replicas.items() if lead else ():
+                record(files, f"{me}: {role} job {job_id} is up at {url}", echo)
         process = start_on_nodes(plan, TRAINER, ctx)
         code = process.wait()
     except KeyboardInterrupt:
@@ -529,7 +541,7 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
             watch.refresh()
             ended = being_requeued(ctx, me, watch)
             if ended:  # the servers stay up whatever happens next
-                end_run(plan, ctx, me, code, urls, watch, echo)
+                end_run(plan, ctx, me, code, watch, echo)
             else:
                 record(files, f"{me}: SIGTERM: the trainer saves a checkpoint of its last finished step and stops "
                               f"(given up to {TRAINER_STOP_GRACE_S:.0f} s, or SLURM's KillWait)", echo)
@@ -538,15 +550,14 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
     finally:
         _stop(process, TRAINER_STOP_GRACE_S)
         if lead and not ended:
-            end_run(plan, ctx, me, code, urls, watch, echo)
+            end_run(plan, ctx, me, code, watch, echo)
     return code
 
 
-def end_run(plan: SlurmPlan, ctx: JobContext, me: JobRef, code: int, urls: dict[str, str], watch: JobWatch,
-            echo: Echo = log) -> None:
+def end_run(plan: SlurmPlan, ctx: JobContext, me: JobRef, code: int, watch: JobWatch, echo: Echo = log) -> None:
     """The one owner of a run's end, on both launch paths: unless the trainer job is being requeued, say how it
-    ended (naming any server job that died under it) and cancel every server job still running, replicas added
-    during the run (jobs.env, read again now) included. `urls` maps the job ids of servers seen healthy to URLs."""
+    ended (naming any server job that died under it, with its URL) and cancel every server job still running,
+    replicas added during the run (jobs.env, read again now) included."""
     for ref in read_jobs_file(plan.files):
         if ref.role != TRAINER and ref.job_id not in {r.job_id for r in watch.refs}:
             watch.add(ref)
@@ -554,8 +565,7 @@ def end_run(plan: SlurmPlan, ctx: JobContext, me: JobRef, code: int, urls: dict[
     if being_requeued(ctx, me, watch):
         record(plan.files, f"{me}: requeued; it resumes from the last checkpoint, the servers stay up", echo)
         return
-    for role in plan.server_roles:
-        urls = {**advertised(plan.files, role), **urls}
+    urls = replica_urls(plan.files)
     servers = [ref for ref in watch.refs if ref.role != TRAINER]
     lost = "".join(f"; {s} ({urls.get(s.job_id, 'no URL yet')}) is no longer running ({watch.state(s)})"
                    for s in servers if not watch.alive(s))

@@ -237,7 +237,8 @@ class Servers(Section):
             elif place.url:
                 where = f"on the {place.engine} server at {place.url}"
             else:
-                where = f"on a {place.engine} server" + (" of its own" if role == "reference" else "")
+                where = (f"on {place.replicas} {place.engine} server replicas" if place.replicas > 1
+                         else f"on a {place.engine} server") + (" of its own" if role == "reference" else "")
             parts.append(f"{role} {where}")
         return ", ".join(parts)
 

@@ -8,7 +8,6 @@ sacct call for jobs squeue has forgotten) and each server replica for its health
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -93,24 +92,17 @@ def accounted_states(job_ids: list[str]) -> dict[str, str]:
     return {job_id: state.split()[0] for job_id, state in states if job_id in job_ids and state}
 
 
-def server_replicas(files: RunFiles, jobs: list[dict], events: list[dict]) -> list[tuple[str, str, Optional[str]]]:
+def server_replicas(files: RunFiles, jobs: list[dict]) -> list[tuple[str, str, Optional[str]]]:
     """`(role, job id, URL)` of each server replica: every server job of jobs.env, then any other replica in the
     address directories. The URL is the replica's address file (written once healthy), else the job's last
     `healthy at URL` event in status.log (the address file goes when the server stops), else None (never healthy)."""
-    from open_r1_ext.launch.jobs import advertised
+    from open_r1_ext.launch.jobs import advertised, replica_urls
 
     replicas = [(job["role"], job["job_id"]) for job in jobs if job["role"] != TRAINER]
-    roles = [SERVER, REF_SERVER]
-    addresses = {role: advertised(files, role) for role in roles}
-    replicas += [(role, name) for role in roles for name in addresses[role] if (role, name) not in replicas]
-    found = []
-    for role, job_id in replicas:
-        url = addresses[role].get(job_id)
-        for event in events if url is None else []:
-            match = re.match(rf"{re.escape(role)} job {re.escape(job_id)}: healthy at (http://\S+)", event["message"])
-            url = match.group(1) if match else url
-        found.append((role, job_id, url))
-    return found
+    replicas += [(role, name) for role in (SERVER, REF_SERVER) for name in advertised(files, role)
+                 if (role, name) not in replicas]
+    urls = replica_urls(files)
+    return [(role, job_id, urls.get(job_id)) for role, job_id in replicas]
 
 
 def run_api_key(files: RunFiles) -> Optional[str]:
@@ -213,7 +205,7 @@ def run_status(run_dir: Path) -> dict:
         "checked_at": _iso(time.time()),
         "jobs": jobs,
         "servers": [probe_server(role, job_id, url, api_key)
-                    for role, job_id, url in server_replicas(files, jobs, events)],
+                    for role, job_id, url in server_replicas(files, jobs)],
         "trainer": trainer_progress(files.run_dir),
         "last_sync": last_syncs(files.run_dir),
         "staleness": staleness(files.run_dir),

@@ -285,11 +285,13 @@ class SlurmPlan:
     # ------------------------------------------------------------- output
     def jobs_of(self, role: str) -> list[tuple[str, int]]:
         """`(title, resources index)` of each job a launch submits for a role: one per replica of a server role
-        (`server job 2/3`), one trainer job."""
+        (`server job 2/3`; the index of its entry of a `resources` list, else 0), one trainer job."""
         if role == TRAINER:
             return [(f"{role} job", 0)]
-        replicas = self.spec(role).replicas
-        return [(f"{role} job" + (f" {i + 1}/{replicas}" if replicas > 1 else ""), i) for i in range(replicas)]
+        spec = self.spec(role)
+        per_replica = isinstance(spec.resources, list)
+        return [(f"{role} job" + (f" {i + 1}/{spec.replicas}" if spec.replicas > 1 else ""), i if per_replica else 0)
+                for i in range(spec.replicas)]
 
     def describe(self) -> str:
         """What a launch would submit, for humans (`--dry-run`): every job, each replica's server job too."""

@@ -89,9 +89,11 @@ def tiny_run(tmp_path, tiny_model):
 
 
 def pytest_collection_modifyitems(items):
-    """The tests on the local SLURM cluster run one after the other on one pytest-xdist worker (`make test` runs
-    `pytest -n 2 --dist loadgroup`): they share the cluster's one node and check its queue, and starting it twice at
-    once would race; the other worker runs the rest beside them."""
+    """How `make test` (`pytest -n 2 --dist loadgroup`) spreads the tests over its two pytest-xdist workers: the
+    tests on the local SLURM cluster one after the other on one worker (they share the cluster's one node and check
+    its queue, and starting it twice at once would race), every other module's tests together (its module fixtures,
+    servers mostly, start once)."""
     for item in items:
-        if {"slurm_cluster", "tiny_run"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+        if item.get_closest_marker("xdist_group") is None:
+            slurm = {"slurm_cluster", "tiny_run"} & set(getattr(item, "fixturenames", ()))
+            item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.module.__name__))

@@ -18,7 +18,7 @@ from open_r1_ext.launch.jobs import (JobRef, JobWatch, LaunchError, add_server, 
                                      register_jobs, submit_run, wait_for_replicas)
 from open_r1_ext.launch.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.run_status import format_status, run_status
-from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
+from open_r1_ext.launch.slurm_plan import PlanError, RunFiles, SlurmPlan
 from tests.slurm_helpers import RECIPE, REPO
 
 TWO_PARTITIONS = ("servers.generation.resources=[{gpus_per_node: 0, cpus_per_task: 1}, "
@@ -127,6 +127,11 @@ def test_add_server_submits_one_more_replica_for_a_running_run(make_plan, fake_s
         add_server(plan.files.run_dir, "server", 2)
     with pytest.raises(LaunchError, match=r"the run starts no ref-server jobs \(its servers: server\)"):
         add_server(plan.files.run_dir, "ref-server", 0)
+    env = plan.files.jobs.read_text()
+    plan.files.jobs.write_text(env.replace(f"LAUNCH_DIR={REPO}", "LAUNCH_DIR=/no/such/dir"))
+    with pytest.raises(LaunchError, match="LAUNCH_DIR /no/such/dir: No such file or directory; run add-server on a"):
+        add_server(plan.files.run_dir)
+    plan.files.jobs.write_text(env)
     fake_slurm("102|COMPLETED|0\n")
     with pytest.raises(LaunchError, match=r"the run's trainer job 102 has ended \(COMPLETED\): there is no run to join"):
         add_server(plan.files.run_dir)
@@ -208,3 +213,18 @@ def test_status_shows_each_replica(fake_slurm, server, tmp_path):
     text = format_status(status)
     assert f"server    server 21 {server.url}: healthy, weights {serving['weight_version']}" in text
     assert "server    server 22 http://node-9:30000: NOT HEALTHY" in text
+
+
+def test_a_server_job_sbatched_by_hand_joins_its_run(tmp_path):
+    """`sbatch slurm/serve.slurm RECIPE` for a running run: the job adds itself to jobs.env (so the run's end cancels
+    it) when it starts; a SLURM job does not join a run of local processes."""
+    files = RunFiles(tmp_path / "run")
+    register_jobs(files, [JobRef("server", "300"), JobRef("trainer", "301")])
+    jobs._join(files, JobRef("server", "302"), echo=lambda m: None)
+    jobs._join(files, JobRef("server", "302"), echo=lambda m: None)  # a requeued start: listed once
+    assert jobs.read_jobs_env(files)["SERVER_JOB"] == "300,302"
+    assert "server job 302: joined the run (added to" in files.status.read_text()
+    local = RunFiles(tmp_path / "local")
+    register_jobs(local, [JobRef("trainer", "4242", "local")])
+    jobs._join(local, JobRef("server", "303"), echo=lambda m: None)
+    assert "SERVER_JOB" not in jobs.read_jobs_env(local)

@@ -658,7 +658,11 @@ def add_server(run_dir: Path, role: str = SERVER, index: int = 0, echo: Echo = l
                           "launch it again (it resumes from its last checkpoint)")
     from open_r1_ext.launch.recipe import load_recipe
 
-    os.chdir(values["LAUNCH_DIR"])  # the recipe's relative paths are relative to where the run was launched
+    try:
+        os.chdir(values["LAUNCH_DIR"])  # the recipe's relative paths are relative to where the run was launched
+    except OSError as err:
+        raise LaunchError(f"{files.jobs}: LAUNCH_DIR {values['LAUNCH_DIR']}: {err.strerror}; run add-server on a "
+                          "machine that sees the directory the run was launched from") from None
     recipe_path, *sets = shlex.split(values["RECIPE_ARGS"])
     overrides = [item.removeprefix("--set=") for item in sets]
     plan = SlurmPlan(load_recipe(recipe_path, overrides), overrides)

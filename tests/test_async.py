@@ -1,12 +1,14 @@
 """Async generation (one-step off-policy GRPO) against real built-in servers: staleness, restarts, learning."""
 
 import json
+import sys
 
 import pytest
 import requests
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.trainer.generation import ROLLOUT_SWITCH_INTERVAL_S
 from tests.helpers import KillServerAt, restore_default_weights, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 
@@ -18,8 +20,17 @@ def test_async_batches_are_at_most_one_step_stale(tiny_model, server, tmp_path):
     args = tiny_config(tmp_path, max_steps=6, generation_url=server.url, ref_model_url=f"{server.url}/ref",
                        async_generation=True)
     assert args.max_weight_staleness == 1
-    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    switch_intervals = []
+
+    def reward(completions, **kwargs):  # on the training thread, while the rollout thread runs
+        switch_intervals.append(sys.getswitchinterval())
+        return reward_len(completions, **kwargs)
+
+    default_interval = sys.getswitchinterval()
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward, args=args, train_dataset=tiny_dataset())
     trainer.train()
+    # the GIL changes hands every 0.5 ms while the rollout thread lives, and the process's own interval is back after
+    assert set(switch_intervals) == {ROLLOUT_SWITCH_INTERVAL_S} and sys.getswitchinterval() == default_interval
     log = rollouts(tmp_path)
     assert [e["step"] for e in log] == [1, 2, 3, 4, 5, 6]
     # batch N+1 was sampled while step N trained, from the weights of step N-1: one step old, never more

@@ -111,17 +111,23 @@ def test_an_adapter_dump_is_what_peft_saves_and_loads(tiny_model, tmp_path):
 
 
 def test_zero3_lora_on_two_processes_syncs_adapters_equal_to_the_unsharded_one(tiny_model, lora_server, tmp_path):
-    """DeepSpeed ZeRO-3, 2 gloo processes, every LoRA parameter partitioned, against the built-in server: each sync
-    loads the step's adapter and both processes sample with it (a process naming an adapter the server does not hold
-    fails); an adapter dump gathered in buckets of 1 kB equals the adapter gathered whole, and peft loads it."""
+    """DeepSpeed ZeRO-3, 2 gloo processes, every LoRA parameter partitioned, async generation against the built-in
+    server: each sync loads the step's adapter, each process's rollout thread switches to it in its own queue (a
+    process naming an adapter the server does not hold fails), the newest two stay loaded (max_weight_staleness 1);
+    an adapter dump gathered in buckets of 1 kB equals the adapter gathered whole, and peft loads it."""
     result = launch(tiny_model, tmp_path, "lora", lora_server.url)
     assert result.returncode == 0, result.stderr[-5000:]
     log = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
-    assert [(e["step"], e["weight_version"]) for e in log] == [(1, "1"), (2, "2")]
+    assert [(e["step"], e["weight_version"]) for e in log] == [(1, "1"), (2, "2"), (3, "3")]
     rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["weight_version"]) for r in rollouts] == [(1, 0), (2, 1)]
+    assert [r["step"] for r in rollouts] == [1, 2, 3] and max(r["staleness"] for r in rollouts) <= 1
+    # each batch of both processes sampled with one adapter, the same one: the processes switch at the same place
+    by_rank = [json.loads((tmp_path / f"versions-{rank}.json").read_text()) for rank in (0, 1)]
+    assert by_rank[0] == by_rank[1] and len(by_rank[0]) == 3 and all(len(v) == 1 for v in by_rank[0])
+    assert by_rank[0][-1] != by_rank[0][0]  # an adapter, after the base model
     client = SGLangClient(lora_server.url)
-    client.generate([PROMPT], sampling_params(2), lora_path="policy-v2")
+    for name in ("policy-v3", "policy-v2"):
+        client.generate([PROMPT], sampling_params(2), lora_path=name)
     with pytest.raises(ServerRequestError, match="policy-v1"):
         client.generate([PROMPT], sampling_params(2), lora_path="policy-v1")
     report = json.loads((tmp_path / "zero3.json").read_text())

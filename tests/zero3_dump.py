@@ -5,9 +5,11 @@ partitioned, weight dumps in buckets smaller than one layer. Each rank records t
     python -m tests.zero3_dump MODEL OUTPUT_DIR dump        one step at learning rate 0, then one dump
     python -m tests.zero3_dump MODEL OUTPUT_DIR train URL   3 steps against the server at URL, a checkpoint every
                                                             step, resuming from the last one when there is one
-    python -m tests.zero3_dump MODEL OUTPUT_DIR lora URL    a LoRA policy: 2 steps against the server at URL (its
-                                                            adapters synced), then one more adapter dump in buckets
-                                                            of 1 kB; rank 0 writes the adapter gathered whole
+    python -m tests.zero3_dump MODEL OUTPUT_DIR lora URL    a LoRA policy: 3 steps of async generation against the
+                                                            server at URL (its adapters synced), then one more
+                                                            adapter dump in buckets of 1 kB; rank 0 writes the
+                                                            adapter gathered whole, each rank the weight versions
+                                                            its batches were sampled with (`versions-<rank>.json`)
 
 Faults injected by the test, named as such: in `dump` mode, a second dump (step 2) in which rank 1's first shard
 write raises ENOSPC (each rank writes the error it got to `<output_dir>/failed-<rank>.txt`); with
@@ -83,13 +85,21 @@ elif mode == "lora":
     import peft
     from safetensors.torch import save_file
 
-    args = tiny_config(output_dir, max_steps=2, per_device_train_batch_size=2, deepspeed=zero3, beta=0.0,
-                       generation_url=sys.argv[4], learning_rate=5e-2,
+    args = tiny_config(output_dir, max_steps=3, per_device_train_batch_size=2, deepspeed=zero3, beta=0.0,
+                       generation_url=sys.argv[4], async_generation=True, learning_rate=5e-2,
                        bucket_mb=BUCKET_MB / 20)  # 1 kB: the adapter's 28 tensors in many buckets
     trainer = RemoteGRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
                                 peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    versions, log_rollout = [], trainer.remote_generation._log_rollout
+
+    def recording_log_rollout(completions, served=None):
+        versions.append(sorted({str(c.weight_version) for c in completions}))
+        log_rollout(completions, served)
+
+    trainer.remote_generation._log_rollout = recording_log_rollout
     trainer.train()
-    path = trainer.weight_sync.dump(trainer.model, 3)
+    (output_dir / f"versions-{rank}.json").write_text(json.dumps(versions))
+    path = trainer.weight_sync.dump(trainer.model, 4)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     lora = [p for n, p in unwrapped.named_parameters() if "lora_" in n]
     with deepspeed.zero.GatheredParameters(lora, modifier_rank=None):  # the unsharded adapter, all at once

@@ -252,3 +252,11 @@ def test_what_adapter_sync_refuses_before_training(tiny_model, tmp_path, setting
     with pytest.raises(ValueError, match=message):
         RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=tiny_config(tmp_path, **settings),
                           train_dataset=tiny_dataset(), peft_config=peft.LoraConfig(r=4, target_modules="all-linear", **lora))
+
+
+def test_a_generation_server_without_lora_is_refused_at_start(tiny_model, server, tmp_path):
+    """The built-in server started without --enable-lora (its /server_info says so): refused before training,
+    naming the flags, not after a first failed sync."""
+    with pytest.raises(ValueError, match="does not load LoRA adapters of rank 4 .* start it with --enable-lora "
+                                         "--max-lora-rank 4"):
+        lora_trainer(tiny_model, tmp_path, server.url)

@@ -128,7 +128,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
 
     def _check_servers(self) -> None:
         """Wait for each server, then refuse to train if it serves another model or vocabulary than ours, or cannot
-        do the soft reference update asked for; read the generation server's context length."""
+        do the soft reference update or load the LoRA adapters asked for; read the generation server's context
+        length."""
         progress = self.accelerator.is_main_process
         generation_client = self.remote_generation.client if self.remote_generation is not None else None
         for role, client in (("reference", self.ref_client), ("generation", generation_client)):
@@ -145,6 +146,14 @@ class RemoteGRPOTrainer(GRPOTrainer):
                 "say it can mix old and new weights on a reload (no supports_weight_mixup in its /server_info); SGLang "
                 "reloads weights as they are, so every soft update would silently be a full copy. Set "
                 "ref_model_mixup_alpha=1.0, or host the reference on the built-in server.")
+        if self.weight_sync.adapter_only and generation_client is not None:
+            info, rank = generation_client.server_info(), self.model.active_peft_config.r
+            if not info.get("enable_lora") or (info.get("max_lora_rank") or rank) < rank:
+                raise ValueError(
+                    f"The generation server at {generation_client.base_url} does not load LoRA adapters of rank {rank} "
+                    f"(its /server_info: enable_lora {info.get('enable_lora')}, max_lora_rank {info.get('max_lora_rank')}), "
+                    f"which adapter-only weight sync sends it: start it with --enable-lora --max-lora-rank {rank} "
+                    "--lora-target-modules all (or the adapter's modules)")
         if self.remote_generation is not None:
             self.remote_generation.read_context_length(self.model.config)
 

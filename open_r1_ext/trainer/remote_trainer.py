@@ -146,7 +146,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
                 "say it can mix old and new weights on a reload (no supports_weight_mixup in its /server_info); SGLang "
                 "reloads weights as they are, so every soft update would silently be a full copy. Set "
                 "ref_model_mixup_alpha=1.0, or host the reference on the built-in server.")
-        if self.weight_sync.adapter_only and generation_client is not None:
+        if generation_client is not None and getattr(self.remote_generation.target, "adapter", False):
             info, rank = generation_client.server_info(), self.model.active_peft_config.r
             if not info.get("enable_lora") or (info.get("max_lora_rank") or rank) < rank:
                 raise ValueError(

@@ -24,17 +24,17 @@ from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, job_en
 
 
 def processes_of(run) -> list[str]:
-    """Command lines of the processes still serving or training on this run's server ports (server, ref-server)."""
-    port = int(next(o for o in run.overrides if o.startswith("servers.generation.port=")).split("=", 1)[1])
-    ports = {str(port), str(port + 1)}
+    """Command lines of the processes still serving or training for this run: every one names its run directory (the
+    servers' --config and --weight-dirs, the jobs' and the trainer's --set=trainer.output_dir), whatever port a
+    replica took."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            words = cmdline.read_bytes().decode(errors="replace").split("\0")
+            command = cmdline.read_bytes().decode(errors="replace").replace("\0", " ")
         except OSError:
             continue
-        if any(a == "--port" and b in ports for a, b in zip(words, words[1:])) or f"--set=servers.generation.port={port}" in words:
-            found.append(" ".join(words))
+        if str(run.run_dir) in command:
+            found.append(command)
     return found
 
 

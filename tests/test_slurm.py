@@ -97,6 +97,11 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def generation_syncs(run_dir: Path) -> list[dict]:
+    """The confirmed syncs of the generation servers (weight_sync.jsonl), each naming the replicas that confirmed it."""
+    return [e for e in jsonl(run_dir / "weight_sync.jsonl") if e["role"] == "generation"]
+
+
 def test_grpo_slurm_runs_two_replicas_one_replaced_mid_run_and_leaves_no_job(slurm_cluster, tiny_run, tmp_path):
     """`replicas: 2, min_replicas: 2` under sbatch: three jobs; both replicas serve batches and confirm every sync.
     Once both have served, the first is scancelled: the trainer waits (below min_replicas) until a replacement from
@@ -115,8 +120,9 @@ def test_grpo_slurm_runs_two_replicas_one_replaced_mid_run_and_leaves_no_job(slu
         ids = tiny_run.job_ids()
         first, second = ids["SERVER_JOB"].split(",")
         trainer = ids["TRAINER_JOB"]
-        wait_until(lambda: {first, second} <= {r for e in jsonl(rollouts) for r in e.get("replicas", [])}, JOB_WAIT_S,
-                   "both replicas to serve a batch")
+        wait_until(lambda: {first, second} <= {r for e in jsonl(rollouts) for r in e.get("replicas", [])}
+                   and any({first, second} <= set(e["replicas"]) for e in generation_syncs(run_dir)), JOB_WAIT_S,
+                   "both replicas to serve a batch and confirm a sync")
         subprocess.run(["scancel", first], check=True)
         added = run_script(sys.executable, "-m", "open_r1_ext.cli", "add-server", run_dir)
         assert added.returncode == 0, added.stderr
@@ -130,7 +136,7 @@ def test_grpo_slurm_runs_two_replicas_one_replaced_mid_run_and_leaves_no_job(slu
     status = tiny_run.status()
     assert f"server job {third}: healthy at http://" in status and f"trainer job {trainer}: succeeded" in status
     assert f"trainer job {trainer}: cancelled server job(s) {second} {third}" in status
-    syncs = [e for e in jsonl(run_dir / "weight_sync.jsonl") if e["role"] == "generation"]
+    syncs = generation_syncs(run_dir)
     assert [e["step"] for e in syncs] == list(range(1, len(syncs) + 1)) and len(syncs) >= 11  # each step once
     assert all(second in e["replicas"] for e in syncs)  # the replica that stayed confirmed every sync
     left = max(i for i, e in enumerate(syncs) if first in e["replicas"])

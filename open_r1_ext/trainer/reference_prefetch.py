@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from open_r1_ext.sglang_client import ServerError, SGLangClient
+from open_r1_ext.sglang_client import SGLangClient
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +66,11 @@ class ReferencePrefetch:
 
     def collect(self, sequences: list[list[int]], check_weights: Callable[[], None]) -> list[torch.Tensor]:
         """The log-probs of `sequences`: the prefetched answer if one was sent for them and no reload began since,
-        else asked now. `check_weights()` runs once a prefetch is answered, before it is judged (it may reload a
+        else asked now; a prefetch that failed raises its error. `check_weights()` runs once a prefetch is answered, before it is judged (it may reload a
         restarted server, which invalidates what that server answered before)."""
         entry = self._claim(sequences)
-        scored = None
-        if entry is not None:
-            try:
-                scored = entry.future.result()
-            except ServerError as err:
-                logger.warning("prefetched reference request failed (%s): asking again", err)
+        # a failed prefetch raises here: it spent the whole retry budget (or pool wait), asking again would double it
+        scored = entry.future.result() if entry is not None else None
         check_weights()
         if scored is not None and entry.epoch == self.epoch and entry.epoch % 2 == 0:
             self.used += 1

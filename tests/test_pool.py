@@ -313,7 +313,7 @@ def test_a_joiner_gets_the_current_weights_before_it_serves(pair, tiny_model, tm
 
 
 @on_real_servers
-def test_below_min_replicas_the_trainer_stops_with_a_checkpoint_naming_the_lost_replica(pair, replicas, tiny_model,
+def test_below_min_replicas_the_trainer_stops_with_a_checkpoint_naming_the_lost_replica_and_resumes(pair, replicas, tiny_model,
                                                                                           tmp_path):
     a, d = pair[0], replicas["d"]
     args = pool_config(tmp_path, max_steps=4, generation_url=[a.url, d.url], ref_model_url=f"{a.url}/ref",
@@ -327,6 +327,15 @@ def test_below_min_replicas_the_trainer_stops_with_a_checkpoint_naming_the_lost_
     assert f"lost: {d.url}: {d.url}" in message and "Connection refused" in message
     assert f"A checkpoint to resume from is in {tmp_path}/checkpoint-1" in message
     assert (tmp_path / "checkpoint-1").is_dir()
+    # resumed with two replicas: it goes on from checkpoint-1 (pushing its weights to both first), no step redone
+    b = pair[1]
+    args = pool_config(tmp_path, max_steps=4, generation_url=[a.url, b.url], ref_model_url=f"{a.url}/ref",
+                       generation_min_replicas=2)
+    resumed = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    resumed.train(resume_from_checkpoint=True)
+    steps = [h["step"] for h in resumed.state.log_history if "loss" in h]
+    assert steps[-3:] == [2, 3, 4] and len(steps) == len(set(steps))
+    assert synced(tmp_path)[4] == sorted([a.url, b.url])
 
 
 def test_the_recipe_gives_the_pool_its_directories_and_min_replicas(tmp_path, tiny_model):

@@ -29,15 +29,14 @@ def train_and_record(tiny_model, server, output_dir, mode, prefetch):
                           if mode == "async" else {}))
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
     batches, requests = [], []
-    score, ref_logprobs, sync_weights = (trainer._generate_and_score_completions, trainer.ref_client.ref_logprobs,
-                                         trainer.sync_weights)
+    loss, ref_logprobs, sync_weights = trainer._compute_loss, trainer.ref_client.ref_logprobs, trainer.sync_weights
 
-    def recorded_score(inputs):
-        output = score(inputs)
-        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        batches.append((output["ref_per_token_logps"].clone(), ids, mask, output["completion_ids"].size(1)))
-        return output
+    def recorded_loss(model, inputs):  # the reference log-probs TRL's loss read (prefetched: collected in the loss)
+        result = loss(model, inputs)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        batches.append((inputs["ref_per_token_logps"].clone(), ids, mask, inputs["completion_ids"].size(1)))
+        return result
 
     def counted_ref_logprobs(sequences):  # a spy: the real request, counted
         requests.append(threading.current_thread() is threading.main_thread())
@@ -45,10 +44,11 @@ def train_and_record(tiny_model, server, output_dir, mode, prefetch):
 
     def sync_after_rollouts(generation_due, references):
         if references:  # the next batch is generated and its reference request sent before the reload
-            trainer.remote_generation.rollouts.submit(lambda: None).result()
+            with trainer.step_timer.part("reload_wait"):  # this test's wait, a part of the step like the reload
+                trainer.remote_generation.rollouts.submit(lambda: None).result()
         sync_weights(generation_due, references)
 
-    trainer._generate_and_score_completions = recorded_score
+    trainer._compute_loss = recorded_loss
     trainer.ref_client.ref_logprobs = counted_ref_logprobs
     trainer.sync_weights = sync_after_rollouts
     trainer.train()
@@ -95,11 +95,13 @@ def test_prefetched_reference_equals_the_one_asked_for_and_steps_are_timed(tiny_
                 positive.append("reload_wait")
             assert all(parts[name] > 0 for name in positive if name != "rollout_wait" or step == 1), parts
             wall = logs["step_wall_time"]
-            assert 0.8 * wall <= sum(parts.values()) <= wall, (wall, parts)
+            # untimed: the loop between the parts (announcing the next batch, clipping, logging), tens of ms at most
+            assert wall - max(0.2 * wall, 0.05) <= sum(parts.values()) <= wall, (wall, parts)
     background = [h.get("background/reference", 0.0) for h in logged_steps(fetched)]
     assert sum(background) > 0 and not any("background/reference" in h for h in logged_steps(asked))
-    if mode == "async":
-        assert all(h["background/generate"] > 0 for h in logged_steps(fetched))
+    if mode == "async":  # a generation is logged in the step it ends in (one may run on past a short step)
+        generated = [h.get("background/generate", 0.0) for h in logged_steps(fetched)]
+        assert generated[0] > 0 and sum(value > 0 for value in generated) >= 3, generated
 
 
 def test_prefetch_after_trl_generates_locally_with_truncated_completions_masked(tiny_model, server, tmp_path, caplog):

@@ -39,7 +39,8 @@ class RemoteGRPOConfig(GRPOConfig):
         prefetch_reference (`bool`, *optional*, defaults to `True`):
             Send a batch's reference request the moment its completions exist (right after generation; with
             `async_generation`, on the rollout thread), so the server scores it while the trainer computes its own
-            log-probs and the rewards, and collect the answer after the rewards. A prefetch made before a reference
+            log-probs, the rewards and the policy's forward of the loss, and collect the answer in the loss after that
+            forward. A prefetch made before a reference
             reload is discarded and asked again. `False` sends the request when TRL's reference hook asks for it.
 
         > Remote generation
@@ -141,7 +142,7 @@ class RemoteGRPOConfig(GRPOConfig):
     prefetch_reference: bool = field(
         default=True,
         metadata={"help": "Send each batch's reference request as soon as its completions exist (overlapped with the "
-                          "trainer's own log-probs and rewards)."},
+                          "trainer's own log-probs, the rewards and the policy's forward of the loss)."},
     )
     generation_url: Optional[Union[str, list[str]]] = field(
         default=None,

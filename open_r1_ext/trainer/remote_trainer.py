@@ -2,7 +2,7 @@
 
 It overrides narrow hooks of trl 1.16.0 and copies none of its loop: `_get_per_token_logps_and_entropies` takes
 the reference's log-probs from the server (requested ahead by `reference_prefetch.py` once the completions exist,
-collected after the rewards); `_generate_single_turn`, `get_batch_samples` and a callback after each optimizer step
+collected in the loss once the policy's forward has run, `_compute_loss`); `_generate_single_turn`, `get_batch_samples` and a callback after each optimizer step
 call the remote generation object (`generation.py`: generation, look-ahead, weight sync targets). Each step's time
 is split into parts (`step_timing.py`) and logged with TRL's metrics.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -45,6 +46,14 @@ class RemoteReference:
 
     def __repr__(self) -> str:
         return f"RemoteReference({self.client.base_url})"
+
+
+@dataclass
+class LossReference:
+    """A generation batch's reference, left for the loss: the sequences sent, and their log-probs once collected."""
+
+    sequences: list[list[int]]
+    rows: Optional[dict[tuple, torch.Tensor]] = None
 
 
 class RemoteGRPOTrainer(GRPOTrainer):
@@ -110,6 +119,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
             self.reference_prefetch = ReferencePrefetch(self.ref_client, self.step_timer.part,
                                                         depth=args.max_weight_staleness + 2)
         self._deferred_reference = None  # see _generate_and_score_completions
+        self._loss_references: dict[str, LossReference] = {}  # per mode ("train", "eval"): see _compute_loss
+        self._loss_inputs = None
         self.remote_generation = remote_generation(self, self.weight_sync)
         if self.remote_generation is not None:
             self._use_importance_sampling(args.vllm_importance_sampling_correction)
@@ -182,12 +193,18 @@ class RemoteGRPOTrainer(GRPOTrainer):
                 self._deferred_reference.append((placeholder, input_ids, attention_mask, logits_to_keep))
                 return placeholder, None, None
             return self._reference_logps(input_ids, attention_mask, logits_to_keep), None, None
-        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
+                                                            **kwargs)
+        if self._loss_inputs is not None:  # the policy's forward of the loss has run: now the reference (_compute_loss)
+            inputs, self._loss_inputs = self._loss_inputs, None
+            inputs["ref_per_token_logps"] = self._loss_reference(input_ids, attention_mask, logits_to_keep)
+        return result
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's, with the remote reference collected last: TRL asks for it before computing the rewards and uses it
-        only in the batch it returns, so the prefetched request runs on the server through both the trainer's own
-        log-probs and the rewards. The hook hands TRL a NaN placeholder, replaced here (checked to be untouched)."""
+        """TRL's, with the remote reference left for the loss: TRL asks for it before computing the rewards and uses
+        it only in the loss, so the prefetched request runs on the server through the trainer's own log-probs, the
+        rewards and the policy's forward of the loss (`_compute_loss`). The hook hands TRL a NaN placeholder, checked
+        here to be returned untouched and replaced in the loss."""
         if self.reference_prefetch is None:
             return super()._generate_and_score_completions(inputs)
         self._deferred_reference = []
@@ -200,19 +217,43 @@ class RemoteGRPOTrainer(GRPOTrainer):
             if output.get("ref_per_token_logps") is not placeholder:
                 raise RuntimeError("TRL did not return the reference log-probs it asked for as they were: this trl "
                                    "version does not fit RemoteGRPOTrainer (set prefetch_reference=False)")
-            output["ref_per_token_logps"] = self._reference_logps(input_ids, attention_mask, logits_to_keep)
+            mode = "train" if self.model.training else "eval"
+            self._loss_references[mode] = LossReference(reference_sequences(input_ids, attention_mask))
         return output
 
+    def _compute_loss(self, model, inputs):
+        """TRL's; a reference left for the loss (a NaN placeholder) is collected once the policy's forward has run
+        (`_get_per_token_logps_and_entropies`), before TRL reads it for the KL term."""
+        pending = inputs.get("ref_per_token_logps")
+        if pending is None or not self._loss_references or not torch.isnan(pending).all():
+            return super()._compute_loss(model, inputs)
+        self._loss_inputs = inputs
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            unfilled, self._loss_inputs = self._loss_inputs, None
+        if unfilled is not None:
+            raise RuntimeError("TRL's loss did not run the policy's forward through _get_per_token_logps_and_entropies: "
+                               "this trl version does not fit RemoteGRPOTrainer (set prefetch_reference=False)")
+        return loss
+
+    def _loss_reference(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+        """The reference log-probs of a batch of the loss (rows of the generation batch, shuffled and split by TRL):
+        the generation batch's prefetched answer is collected at its first batch, then each row looked up."""
+        batch = self._loss_references["train" if self.model.training else "eval"]
+        if batch.rows is None:
+            with self.step_timer.part("reference_wait"):
+                scored = self.reference_prefetch.collect(batch.sequences, self._ensure_reference_weights)
+            batch.rows = {tuple(sequence): row for sequence, row in zip(batch.sequences, scored)}
+        scored = [batch.rows[tuple(sequence)] for sequence in reference_sequences(input_ids, attention_mask)]
+        return completion_logps(scored, input_ids, attention_mask, logits_to_keep)
+
     def _reference_logps(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
-        """The reference server's log-probs in TRL's layout: prefetched when a prefetch for these sequences is still
-        valid, else asked now (after making sure the server holds the right reference)."""
+        """The reference server's log-probs in TRL's layout, asked now (without prefetch), after making sure the
+        server holds the right reference."""
         with self.step_timer.part("reference_wait"):
-            sequences = reference_sequences(input_ids, attention_mask)
-            if self.reference_prefetch is not None:
-                scored = self.reference_prefetch.collect(sequences, self._ensure_reference_weights)
-            else:
-                self._ensure_reference_weights()
-                scored = self.ref_client.ref_logprobs(sequences)
+            self._ensure_reference_weights()
+            scored = self.ref_client.ref_logprobs(reference_sequences(input_ids, attention_mask))
         return completion_logps(scored, input_ids, attention_mask, logits_to_keep)
 
     def prefetch_reference(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:

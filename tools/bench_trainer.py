@@ -5,12 +5,12 @@ reference differs; float32 on CPU, bf16 off):
 
 1. Peak RSS of the trainer process: stock `GRPOTrainer` (local reference model) against `RemoteGRPOTrainer` with
    `ref_model_url` on a built-in server (`--no-ref-slot`: one copy of the model). Each run is a fresh subprocess
-   (`--child stock|remote`), since a process's peak RSS only grows; it reports its own VmHWM. The server process is
+   (`--child RUN`), since a process's peak RSS only grows; it reports its own VmHWM. The server process is
    not counted: moving the reference out of the trainer is the point. Target: saving >= 0.8 x the reference
    model's parameter bytes (parameters x element size, counted in the stock run).
 2. Seconds per step, remote / stock, mean over the steps after the first (warm-up). Target <= 1.1 (issue #13 aims
-   at <= 0.9). The server computes the reference pass on the same cores while the trainer waits for it: that is
-   part of the honest cost.
+   at <= 0.9). The server computes the reference pass on the same cores while the trainer runs the policy's forward
+   of the loss (the prefetched reference is collected after it): sharing the cores is part of the honest cost.
 
 Beside them, rows that say where the ratio comes from: the remote run with `prefetch_reference=False` (the
 reference asked in line, when TRL asks for it), and both trainers with `beta=0` (no reference at all: the limit a

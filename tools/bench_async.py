@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import (arithmetic_prompts, header, machine_facts, markdown_table, model_dir, verdict,  # noqa: E402
-                          write_json)
+from bench_common import (arithmetic_prompts, header, machine_facts, markdown_table, model_dir,  # noqa: E402
+                          parallel_speedup, verdict, write_json)
 
 TARGET_OVER_BEST = 1.08  # async / sync at most this many times the best ratio of the same round
 BUSY_SPEEDUP = 1.5  # below this, two cores are not free: the host is too busy for the comparison to say much
@@ -71,25 +71,6 @@ def measure(model: Path, url: str, out: Path, async_generation: bool, steps: int
     parts = {key for h in logged for key in h if key.startswith(("timing/", "background/"))}
     return {"seconds_per_step": statistics.median(per_step),
             **{key: statistics.median(h.get(key, 0.0) for h in logged) for key in sorted(parts)}}
-
-
-def _spin(_) -> float:
-    torch.set_num_threads(1)
-    a = torch.randn(384, 384)
-    start = time.perf_counter()
-    for _ in range(300):
-        a @ a
-    return time.perf_counter() - start
-
-
-def parallel_speedup() -> float:
-    """(2 x one job alone) / (two jobs at once): 2.0 on two free cores, 1.0 when they time-share one."""
-    import multiprocessing
-
-    alone = _spin(0)
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        together = max(pool.map(_spin, [0, 1]))
-    return 2 * alone / together
 
 
 def round_figures(sync: dict, overlapped: dict, speedup: float) -> dict:

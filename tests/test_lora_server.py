@@ -156,6 +156,28 @@ def test_an_adapter_serves_the_merged_model_and_no_lora_path_the_base(lora_serve
         lora_server.unload_lora_adapter("policy-v1")
 
 
+def test_an_adapter_loaded_after_an_unload_serves_its_own_weights(lora_server, weights, models):
+    """The trainer's rotation (load v2, unload v1, load v3, ...): an unloaded adapter's modules take the next
+    adapter's weights (the engine keeps them), which must serve that adapter exactly, beside the one still loaded."""
+    lora_server.load_lora_adapter("v1", str(weights / "step-1"))
+    lora_server.load_lora_adapter("v2", str(weights / "step-2"))
+    lora_server.unload_lora_adapter("v1")
+    lora_server.load_lora_adapter("v3", str(weights / "step-2"))  # into v1's modules, which held step-1
+    try:
+        for name, step in (("v3", "step-2"), ("v2", "step-2"), (None, None)):
+            for sequence, got in zip(PROMPTS, score(lora_server, PROMPTS, name)):
+                assert close(got, logprobs_of(models[step], sequence)), name
+        lora_server.unload_lora_adapter("v2")
+        lora_server.load_lora_adapter("v4", str(weights / "step-1"))  # into v2's modules (step-2's)
+        for sequence, got in zip(PROMPTS, score(lora_server, PROMPTS, "v4")):
+            assert close(got, logprobs_of(models["step-1"], sequence))
+        lora_server.unload_lora_adapter("v4")
+    finally:
+        lora_server.unload_lora_adapter("v3")
+    for sequence, got in zip(PROMPTS, score(lora_server, PROMPTS)):  # only retired modules left: the base model
+        assert close(got, logprobs_of(models[None], sequence))
+
+
 def test_a_mixed_batch_gives_each_item_its_own_model(lora_server, weights, models):
     lora_server.load_lora_adapter("a", str(weights / "step-1"))
     lora_server.load_lora_adapter("b", str(weights / "step-2"))

@@ -95,6 +95,8 @@ class ModelEngine:
         self.peft: Any = None  # the `PeftModel` around `model`, from the first adapter on (peft injects in place)
         self.adapters: set[str] = set()  # ids of the adapters loaded
         self._adapters_made = 0
+        # unloaded adapters whose LoRA modules are kept (by id: its config), for the next adapter of the same shapes
+        self._retired: dict[str, Any] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,8 +108,9 @@ class ModelEngine:
         gone = sorted({a for a in adapters if a is not None} - self.adapters)
         if gone:  # peft would run such a row on the base model without a word
             raise ValueError(f"lora_path: the LoRA adapter ({', '.join(gone)}) was unloaded before this request ran")
-        if not self.adapters:  # none loaded: peft's layers, if any are left, do nothing
+        if not self.adapters and not self._retired:  # no adapter left: peft's layers, if any are left, do nothing
             return self.model(**inputs)
+        # (a retired adapter, see unload_adapter, is still in the layers: each row names what it runs, __base__ too)
         return self.peft(**inputs, adapter_names=[BASE_ROW if a is None else a for a in adapters])
 
     @torch.inference_mode()
@@ -305,16 +308,23 @@ class ModelEngine:
         `--lora-target-modules`, tensors that fit no module, missing or not finite, ...) raises `WeightFileError` and
         leaves no trace. Needs `lora` (the server's `--enable-lora`)."""
         from peft import LoraConfig, PeftModel
+        from peft.utils import load_peft_weights, set_peft_model_state_dict
 
         config = self._adapter_config(Path(path), LoraConfig)
-        adapter = f"adapter-{self._adapters_made}"
-        self._adapters_made += 1
+        adapter = next((a for a, kept in self._retired.items() if _same_layers(kept, config)), None)
         try:
-            if self.peft is None:
-                self.peft = PeftModel(self.model, config, adapter_name=adapter)
+            if adapter is not None:  # a retired adapter's modules take these weights: no new modules to build
+                del self._retired[adapter]
+                result = set_peft_model_state_dict(self.peft, load_peft_weights(str(path), device=str(self.device)),
+                                                   adapter_name=adapter)
             else:
-                self.peft.add_adapter(adapter, config)
-            result = self.peft.load_adapter(str(path), adapter_name=adapter, torch_device=str(self.device))
+                adapter = f"adapter-{self._adapters_made}"
+                self._adapters_made += 1
+                if self.peft is None:
+                    self.peft = PeftModel(self.model, config, adapter_name=adapter)
+                else:
+                    self.peft.add_adapter(adapter, config)
+                result = self.peft.load_adapter(str(path), adapter_name=adapter, torch_device=str(self.device))
             self._check_adapter(Path(path), adapter, result)
         except (RuntimeError, ValueError, OSError) as err:  # e.g. no such module, a tensor of another shape
             if self.peft is not None and adapter in self.peft.peft_config:
@@ -329,9 +339,14 @@ class ModelEngine:
         return adapter
 
     def unload_adapter(self, adapter: str) -> None:
-        """Remove the adapter `adapter` (an id `load_adapter` returned) and its weights."""
+        """Stop serving the adapter `adapter` (an id `load_adapter` returned). Its LoRA modules are kept for the next
+        adapter of the same shapes (building them is most of a load: 0.19 of 0.33 s on a 100M model, r=16, every
+        linear layer); an older retired adapter is removed with its weights, so at most one is kept."""
         self.adapters.discard(adapter)
-        self.peft.delete_adapter(adapter)
+        for old in list(self._retired):
+            del self._retired[old]
+            self.peft.delete_adapter(old)
+        self._retired[adapter] = self.peft.peft_config[adapter]
 
     def _adapter_config(self, path: Path, config_class):
         """The adapter's `LoraConfig`, once its files are there and it is a LoRA this server can serve."""
@@ -380,6 +395,14 @@ class ModelEngine:
         for name, param in self.model.named_parameters():
             if f".{adapter}." in f"{name}." and ".lora_" in name and not _all_finite(param):
                 raise WeightFileError(f"{path / ADAPTER_WEIGHTS}: {name.replace(f'.{adapter}', '')} has NaN or Inf values")
+
+
+def _same_layers(kept: Any, config: Any) -> bool:
+    """Whether an adapter of LoRA config `config` fits the modules built for `kept`: same modules, ranks and scaling
+    (dropout does nothing at inference)."""
+    fields = ("r", "lora_alpha", "target_modules", "exclude_modules", "rank_pattern", "alpha_pattern", "use_rslora",
+              "layers_to_transform", "layers_pattern", "bias", "fan_in_fan_out", "init_lora_weights")
+    return all(getattr(kept, name, None) == getattr(config, name, None) for name in fields)
 
 
 def _own_names(named):

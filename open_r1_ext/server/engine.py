@@ -312,8 +312,9 @@ class ModelEngine:
 
         config = self._adapter_config(Path(path), LoraConfig)
         adapter = next((a for a, kept in self._retired.items() if _same_layers(kept, config)), None)
+        reused = adapter is not None
         try:
-            if adapter is not None:  # a retired adapter's modules take these weights: no new modules to build
+            if reused:  # a retired adapter's modules take these weights: no new modules to build
                 del self._retired[adapter]
                 result = set_peft_model_state_dict(self.peft, load_peft_weights(str(path), device=str(self.device)),
                                                    adapter_name=adapter)
@@ -334,7 +335,8 @@ class ModelEngine:
             raise WeightFileError(f"{path}: {err}") from err
         finally:
             self.model.eval()
-        self.peft.set_adapter(adapter, inference_mode=True)  # peft needs one active; each row names its own anyway
+        if not reused:  # peft needs one active (a walk over every module); each row names its own anyway
+            self.peft.set_adapter(adapter, inference_mode=True)
         self.adapters.add(adapter)
         return adapter
 

@@ -66,8 +66,8 @@ class ReferencePrefetch:
 
     def collect(self, sequences: list[list[int]], check_weights: Callable[[], None]) -> list[torch.Tensor]:
         """The log-probs of `sequences`: the prefetched answer if one was sent for them and no reload began since,
-        else asked now; a prefetch that failed raises its error. `check_weights()` runs once a prefetch is answered, before it is judged (it may reload a
-        restarted server, which invalidates what that server answered before)."""
+        else asked now; a prefetch that failed raises its error. `check_weights()` runs once a prefetch is answered,
+        before it is judged (it may reload a restarted server, which invalidates what that server answered before)."""
         entry = self._claim(sequences)
         # a failed prefetch raises here: it spent the whole retry budget (or pool wait), asking again would double it
         scored = entry.future.result() if entry is not None else None

@@ -177,22 +177,8 @@ class ServerPool:
     def _addresses(self) -> dict[str, str]:
         """`{name: url}`: the static URLs (named by themselves) and the address directory's files."""
         found = {url: url for url in self.urls}
-        if self.directory is None:
-            return found
-        try:
-            entries = sorted(os.scandir(self.directory), key=lambda e: e.name)
-        except (FileNotFoundError, NotADirectoryError):
-            return found
-        for entry in entries:
-            if not entry.name.endswith(ADDRESS_SUFFIX) or entry.name.startswith("."):
-                continue  # a temporary file of an atomic write
-            try:
-                address = Path(entry.path).read_text().strip()
-            except OSError:  # removed between the listing and the read: a leaver
-                continue
-            if address:
-                url = (address if "://" in address else f"http://{address}").rstrip("/") + self.route
-                found[entry.name[: -len(ADDRESS_SUFFIX)]] = url
+        if self.directory is not None:
+            found.update({name: url + self.route for name, url in read_addresses(self.directory).items()})
         return found
 
     def _refresh(self, force: bool = False) -> None:
@@ -586,6 +572,27 @@ class ServerPool:
     def close(self) -> None:
         """Stop the background probes (a pool is not used after this)."""
         self._jobs.shutdown(wait=False, cancel_futures=True)
+
+
+def read_addresses(directory: Path) -> dict[str, str]:
+    """`{name: URL}` of the replicas advertised in an address directory: each `<name>.addr` file's `host:port` line
+    (the launchers' server jobs write them; `open-r1-ext status` and the trainer job read them too)."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    found = {}
+    for entry in entries:
+        if not entry.name.endswith(ADDRESS_SUFFIX) or entry.name.startswith("."):
+            continue  # a temporary file of an atomic write
+        try:
+            address = Path(entry.path).read_text().strip()
+        except OSError:  # removed between the listing and the read: a leaver
+            continue
+        if address:
+            url = address if "://" in address else f"http://{address}"
+            found[entry.name[: -len(ADDRESS_SUFFIX)]] = url.rstrip("/")
+    return found
 
 
 def _outcome(fn: Callable[..., T], *args: Any) -> tuple[Optional[T], Optional[ServerError]]:

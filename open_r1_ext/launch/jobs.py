@@ -29,6 +29,7 @@ from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, S
                                            RunFiles, SlurmPlan, argv, role_var)
 from open_r1_ext.launch.local_server import die_with_parent, free_port
 from open_r1_ext.launch.run_key import write_run_key
+from open_r1_ext.server_pool import read_addresses
 from open_r1_ext.sglang_client import SGLangClient
 
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"  # serve.slurm and train.slurm, submitted by `submit`
@@ -279,15 +280,7 @@ def replica_urls(files: RunFiles) -> dict[str, str]:
 
 def advertised(files: RunFiles, role: str) -> dict[str, str]:
     """`{name: URL}` of the replicas of a role in its address directory (`<name>.addr`, `name` the job id)."""
-    found = {}
-    for path in sorted(files.replica_dir(role).glob("*.addr")):
-        try:
-            address = path.read_text().strip()
-        except OSError:  # withdrawn meanwhile
-            continue
-        if address:
-            found[path.stem] = f"http://{address}"
-    return found
+    return read_addresses(files.replica_dir(role))
 
 
 # ----------------------------------------------------------------------------------------- waits

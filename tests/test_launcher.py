@@ -41,10 +41,11 @@ def processes_of(run) -> list[str]:
 @pytest.mark.parametrize("executor, layout", [("slurm", "shared"), ("local", "separate")])
 def test_launch_runs_the_servers_then_the_trainer_and_cancels_the_servers(executor, layout, request, tiny_run, monkeypatch):
     """On SLURM with two generation replicas (each holding the reference in its /ref slot): both serve and confirm
-    every sync; locally with a reference server of its own."""
+    every sync (`min_replicas=2`, so the trainer starts with both: with the default 1 it may start with one and the
+    other joins later); locally with a reference server of its own."""
     if executor == "slurm":
         request.getfixturevalue("slurm_cluster")
-        tiny_run.overrides.append("servers.generation.replicas=2")
+        tiny_run.overrides += ["servers.generation.replicas=2", "servers.generation.min_replicas=2"]
     monkeypatch.chdir(REPO)  # recipe paths are relative to the repository root, as for sbatch
     reference = {"shared": "generation", "separate": "{dtype: float32, resources: {gpus_per_node: 0, cpus_per_task: 1}}"}
     tiny_run.overrides.append(f"servers.reference={reference[layout]}")

@@ -95,20 +95,28 @@ def alternate(baseline: Callable[[], object], ours: Callable[[], object], repeat
     return times["baseline"], times["ours"]
 
 
-def _spin(_) -> float:
+def _spin(work: str) -> float:
+    """Seconds of one single-threaded CPU-bound loop: `cache`, matmuls of a matrix that fits in the caches (pure
+    compute); `stream`, a decode step's shape, 32 rows through weights far larger than the caches (the 100M test
+    model's MLP matrices, 226 MB), so memory bandwidth is shared as between two servers that generate."""
     torch.set_num_threads(1)
-    a = torch.randn(384, 384)
+    if work == "stream":
+        weights, rows, rounds = [torch.randn(768, 3072) for _ in range(24)], torch.randn(32, 768), 15
+    else:
+        weights, rows, rounds = [torch.randn(384, 384)], torch.randn(384, 384), 600
     start = time.perf_counter()
-    for _ in range(300):
-        a @ a
+    for _ in range(rounds):
+        for weight in weights:
+            rows @ weight
     return time.perf_counter() - start
 
 
-def parallel_speedup() -> float:
-    """(2 x one job alone) / (two jobs at once): 2.0 on two free cores, 1.0 when they time-share one."""
+def parallel_speedup(work: str = "cache") -> float:
+    """(2 x one job alone) / (two jobs at once), the jobs `_spin(work)`: 2.0 on two free cores (and, for `stream`,
+    enough memory bandwidth for both), 1.0 when they time-share one."""
     import multiprocessing
 
-    alone = _spin(0)
+    alone = _spin(work)
     with multiprocessing.get_context("spawn").Pool(2) as pool:
-        together = max(pool.map(_spin, [0, 1]))
+        together = max(pool.map(_spin, [work, work]))
     return 2 * alone / together

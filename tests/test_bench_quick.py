@@ -106,11 +106,11 @@ def test_bench_pool_quick_writes_json(tmp_path):
     assert_finite_positive(figures, [
         *(f"pool.generate.{name}" for name in ("one_tokens_per_s", "two_tokens_per_s", "speedup", "bound",
                                                "ratio_to_bound", "ratio_min", "ratio_max", "cache_bound",
-                                               "ratio_to_cache_bound", "target")),
+                                               "ratio_to_cache_bound", "direct_tokens_per_s", "pool_vs_direct", "target")),
         "pool.sync.one_s", "pool.sync.two_s", "pool.sync.ratio", "pool.sync.target", "machine.cpu_cores",
     ])
     assert isinstance(figures["pool.generate.met"], bool) and isinstance(figures["pool.sync.met"], bool)
     samples = [figures[f"pool.generate.{name}"] for name in ("one_samples_s", "two_samples_s", "bound_samples",
-                                                                  "cache_bound_samples")]
+                                                                  "cache_bound_samples", "direct_samples_s")]
     assert len({len(s) for s in samples}) == 1  # one of each per round
     assert figures["pool.generate.ratio_min"] <= figures["pool.generate.ratio_to_bound"] <= figures["pool.generate.ratio_max"]

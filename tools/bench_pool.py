@@ -10,7 +10,9 @@ first replica alone), alternating which side goes first in each repeat; medians 
    one alone), measured in every round beside the two generations (on a shared host it moves from round to round);
    each round's speed-up is divided by its own bound. Target: the median of those ratios >= 0.85. The same ratio
    against the pure-compute bound (`parallel_speedup("cache")`, matmuls that fit in the caches) is reported beside
-   it: decoding reads every weight once per step, so two servers also share the memory bandwidth.
+   it: decoding reads every weight once per step, so two servers also share the memory bandwidth. A third side
+   does the pool's work without it (half the prompts to each server, a plain `SGLangClient` each, on two threads):
+   pool / plain says what the pool itself costs.
 2. Weight sync: `update_weights_from_disk` of one dump (the same files each time) to two replicas at once vs to one;
    target: two / one <= 1.2.
 
@@ -20,7 +22,7 @@ Sampling is seeded with `ignore_eos`, so every completion has the same length an
 
 `--quick` (about half a minute on 2 CPU cores) uses the tiny model, fewer prompts and repeats. `--json FILE` writes
 `pool.generate.{one_tokens_per_s,two_tokens_per_s,speedup,bound,ratio_to_bound,ratio_min,ratio_max,target,met}`,
-`pool.generate.{cache_bound,ratio_to_cache_bound}`,
+`pool.generate.{cache_bound,ratio_to_cache_bound,direct_tokens_per_s,pool_vs_direct}`,
 `pool.sync.{one_s,two_s,ratio,target,met}`, the timed samples (`*.one_samples_s`, `*.two_samples_s`), `pool.generate.bound_samples` / `cache_bound_samples`, and
 `machine.*` / `config.*`.
 """
@@ -33,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -45,6 +48,7 @@ from bench_common import (alternate, header, machine_facts, markdown_table, mode
 
 from open_r1_ext.launch.local_server import BuiltinServer  # noqa: E402
 from open_r1_ext.server_pool import ServerPool  # noqa: E402
+from open_r1_ext.sglang_client import SGLangClient  # noqa: E402
 
 GENERATE_TARGET = 0.85  # of the machine's parallel speed-up
 SYNC_TARGET = 1.2
@@ -73,12 +77,12 @@ def measure(models_root: Path, work: Path, setup: Setup) -> dict:
     server_args = ("--dtype", "float32", "--no-ref-slot", "--num-threads", "1", "--weight-dirs", str(work))
     with BuiltinServer(str(path), extra_args=server_args) as first, BuiltinServer(str(path), extra_args=server_args) as second:
         one, two = ServerPool([first.url]), ServerPool([first.url, second.url])
-        figures = generation_figures(one, two, setup)
+        figures = generation_figures(one, two, [SGLangClient(first.url), SGLangClient(second.url)], setup)
         figures.update(sync_figures(one, two, path, work, setup.repeats))
     return figures
 
 
-def generation_figures(one: ServerPool, two: ServerPool, setup: Setup) -> dict:
+def generation_figures(one: ServerPool, two: ServerPool, direct: list[SGLangClient], setup: Setup) -> dict:
     vocab_size = one.model_info()["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab_size, (setup.prompts, setup.prompt_len), generator=generator).tolist()
@@ -86,18 +90,31 @@ def generation_figures(one: ServerPool, two: ServerPool, setup: Setup) -> dict:
     sampling = {"max_new_tokens": setup.max_new_tokens, "temperature": 1.0, "ignore_eos": True}
     tokens = setup.prompts * setup.n * setup.max_new_tokens
 
-    def generate(pool: ServerPool) -> None:
-        groups = pool.generate(prompts, sampling, n=setup.n, seeds=seeds)
+    def check(groups: list[list]) -> None:
         produced = sum(len(c.token_ids) for group in groups for c in group)
         if produced != tokens:
             raise RuntimeError(f"generate returned {produced} tokens, expected {tokens}")
 
+    def generate(pool: ServerPool) -> None:
+        check(pool.generate(prompts, sampling, n=setup.n, seeds=seeds))
+
+    def generate_direct() -> None:
+        """The pool's work without the pool: half the prompts to each server, a plain client each, on two threads."""
+        def half(client: SGLangClient, part: range) -> list[list]:
+            part_seeds = [seeds[i * setup.n + k] for i in part for k in range(setup.n)]
+            return client.generate([prompts[i] for i in part], sampling, n=setup.n, seeds=part_seeds)
+
+        middle = setup.prompts // 2
+        with ThreadPoolExecutor(max_workers=2) as threads:
+            check([g for groups in threads.map(half, direct, [range(middle), range(middle, setup.prompts)]) for g in groups])
+
     generate(one), generate(two)  # warm-up of both replicas
-    one_s, two_s, bounds, cache_bounds = [], [], [], []
+    one_s, two_s, direct_s, bounds, cache_bounds = [], [], [], [], []
     steps = [lambda: one_s.append(timed(lambda: generate(one))), lambda: two_s.append(timed(lambda: generate(two))),
+             lambda: direct_s.append(timed(generate_direct)),
              lambda: (bounds.append(parallel_speedup("stream")), cache_bounds.append(parallel_speedup("cache")))]
     for rep in range(setup.repeats):  # each round in a rotated order, so drift in machine load hits every part
-        for step in steps[rep % 3:] + steps[:rep % 3]:
+        for step in steps[rep % len(steps):] + steps[:rep % len(steps)]:
             step()
     ratios = [one / two / bound for one, two, bound in zip(one_s, two_s, bounds)]
     cache_ratios = [one / two / bound for one, two, bound in zip(one_s, two_s, cache_bounds)]
@@ -108,8 +125,11 @@ def generation_figures(one: ServerPool, two: ServerPool, setup: Setup) -> dict:
             "pool.generate.ratio_min": min(ratios), "pool.generate.ratio_max": max(ratios),
             "pool.generate.cache_bound": statistics.median(cache_bounds),
             "pool.generate.ratio_to_cache_bound": statistics.median(cache_ratios),
+            "pool.generate.direct_tokens_per_s": tokens / statistics.median(direct_s),
+            "pool.generate.pool_vs_direct": statistics.median(direct / two for direct, two in zip(direct_s, two_s)),
             "pool.generate.target": GENERATE_TARGET, "pool.generate.met": ratio >= GENERATE_TARGET,
             "pool.generate.one_samples_s": one_s, "pool.generate.two_samples_s": two_s,
+            "pool.generate.direct_samples_s": direct_s,
             "pool.generate.bound_samples": bounds, "pool.generate.cache_bound_samples": cache_bounds}
 
 
@@ -144,7 +164,9 @@ def table(f: dict, setup: Setup) -> str:
           f"{f['pool.generate.one_tokens_per_s']:,.0f}", f"{f['pool.generate.two_tokens_per_s']:,.0f}",
           f"speed-up {f['pool.generate.speedup']:.2f}; per round, speed-up / bound: median "
           f"{f['pool.generate.ratio_to_bound']:.2f} ({f['pool.generate.ratio_min']:.2f}-{f['pool.generate.ratio_max']:.2f}); "
-          f"against pure compute {f['pool.generate.ratio_to_cache_bound']:.2f}",
+          f"against pure compute {f['pool.generate.ratio_to_cache_bound']:.2f}; two plain clients without the pool "
+          f"{f['pool.generate.direct_tokens_per_s']:,.0f} tokens/s (pool / plain, per round: "
+          f"{f['pool.generate.pool_vs_direct']:.2f})",
           f">= {GENERATE_TARGET:g} of bound", verdict(f["pool.generate.met"])),
          (f"weight sync of one dump, s (median of {setup.repeats})", f"{f['pool.sync.one_s']:.3f}",
           f"{f['pool.sync.two_s']:.3f}", f"{f['pool.sync.ratio']:.2f}", f"<= {SYNC_TARGET:g}",

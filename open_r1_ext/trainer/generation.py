@@ -173,17 +173,19 @@ class RemoteGeneration:
         unique, n = group_repeated_prompts(prompt_ids, num_generations)
         sampling = self._fitting(unique, self._sampling_params())
 
+        def sample() -> list[Completion]:
+            if self.target is not None and self.target.adapter:
+                return self._sample_with_adapter(unique, sampling, n, seeds)
+            return [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
+
         def generate() -> tuple[list[Completion], Optional[list[str]]]:
             with self.trainer.step_timer.part("generate"):  # async: on the rollout thread, beside the step
-                if self.target is not None and self.target.adapter:
-                    completions = self._sample_with_adapter(unique, sampling, n, seeds)
-                else:
-                    completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
+                completions = sample()
                 target = self.target
                 if target is not None and any(version_number(c.weight_version) < version_number(target.version)
                                               for c in completions if c.weight_version is not None):
                     self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
-                    completions = [c for group in self.client.generate(unique, sampling, n=n, seeds=seeds) for c in group]
+                    completions = sample()
             self.trainer.prefetch_reference(prompt_ids, [c.token_ids for c in completions])
             return completions, self.client.served_by() if isinstance(self.client, ServerPool) else None
 

@@ -19,8 +19,9 @@ process and of the server (`/proc`), and `(trainer + server CPU) / cores` is the
 this machine's cores would take: when the stock run already keeps the cores busy, moving the reference to a server
 on the same cores cannot make the step shorter than that.
 
-Both children, and the server's reference pass, run with the same torch thread count (`--threads`, default: the
-number of cores); runs alternate stock/remote across repeats and the table gives medians (and, as a cross-check
+Both children, and the server's reference pass, run with the same torch thread count (`--threads`, default 1: the
+trainer and the server each on a core of its own, as on a cluster where the server has GPUs of its own; with as many
+threads as cores, both ask for every core and the overlap turns into contention, the `cores_bound` row's case); runs alternate stock/remote across repeats and the table gives medians (and, as a cross-check
 robust to load spikes from other work on the machine, the median of all timed steps). The model is built with
 `tools/make_tiny_model.py` (`size="100m"`, ~104M parameters) into a temporary directory, or into `--model-dir`.
 
@@ -294,8 +295,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and ratio to this file")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="build the model here (and reuse it) instead of a temp dir")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(),
-                        help="torch threads of both trainer runs and of the server")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of both trainer runs and of the server (default 1: a core each)")
     child_args = parser.add_argument_group("internal: one training run (started by the benchmark itself)")
     parser.add_argument("--runs", default=",".join(RUNS), type=lambda text: text.split(","),
                         help=f"comma-separated runs (of {', '.join(RUNS)}; stock and remote are always run)")

@@ -103,7 +103,7 @@ def _spin(work: str) -> float:
     if work == "stream":
         weights, rows, rounds = [torch.randn(768, 3072) for _ in range(24)], torch.randn(32, 768), 15
     else:
-        weights, rows, rounds = [torch.randn(384, 384)], torch.randn(384, 384), 600
+        weights, rows, rounds = [torch.randn(384, 384)], torch.randn(384, 384), 300
     start = time.perf_counter()
     for _ in range(rounds):
         for weight in weights:

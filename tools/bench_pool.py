@@ -1,7 +1,7 @@
 """Benchmark a pool of two built-in server replicas against one; prints a markdown table.
 
 Two comparisons, each measured side by side in one run on the same two server processes (a pool of one is the
-first replica alone), alternating which side goes first in each repeat; medians are reported:
+first replica alone), in rounds whose order rotates (which side goes first changes each round); medians are reported:
 
 1. Generation throughput (completion tokens/s): `ServerPool.generate` of P prompts x n samples, each group of n on
    one replica, through a pool of two replicas vs a pool of one. Each server runs one torch thread. The bound is
@@ -23,7 +23,8 @@ Sampling is seeded with `ignore_eos`, so every completion has the same length an
 `--quick` (about half a minute on 2 CPU cores) uses the tiny model, fewer prompts and repeats. `--json FILE` writes
 `pool.generate.{one_tokens_per_s,two_tokens_per_s,speedup,bound,ratio_to_bound,ratio_min,ratio_max,target,met}`,
 `pool.generate.{cache_bound,ratio_to_cache_bound,direct_tokens_per_s,pool_vs_direct}`,
-`pool.sync.{one_s,two_s,ratio,target,met}`, the timed samples (`*.one_samples_s`, `*.two_samples_s`), `pool.generate.bound_samples` / `cache_bound_samples`, and
+`pool.sync.{one_s,two_s,ratio,target,met}`, the timed samples (`*.one_samples_s`, `*.two_samples_s`,
+`pool.generate.direct_samples_s`), the rounds' bounds (`pool.generate.bound_samples`, `cache_bound_samples`) and
 `machine.*` / `config.*`.
 """
 
@@ -106,7 +107,8 @@ def generation_figures(one: ServerPool, two: ServerPool, direct: list[SGLangClie
 
         middle = setup.prompts // 2
         with ThreadPoolExecutor(max_workers=2) as threads:
-            check([g for groups in threads.map(half, direct, [range(middle), range(middle, setup.prompts)]) for g in groups])
+            answers = threads.map(half, direct, [range(middle), range(middle, setup.prompts)])
+            check([group for groups in answers for group in groups])
 
     generate(one), generate(two)  # warm-up of both replicas
     one_s, two_s, direct_s, bounds, cache_bounds = [], [], [], [], []
@@ -118,7 +120,8 @@ def generation_figures(one: ServerPool, two: ServerPool, direct: list[SGLangClie
             step()
     ratios = [one / two / bound for one, two, bound in zip(one_s, two_s, bounds)]
     cache_ratios = [one / two / bound for one, two, bound in zip(one_s, two_s, cache_bounds)]
-    one_rate, two_rate, ratio = tokens / statistics.median(one_s), tokens / statistics.median(two_s), statistics.median(ratios)
+    one_rate, two_rate = tokens / statistics.median(one_s), tokens / statistics.median(two_s)
+    ratio = statistics.median(ratios)
     return {"pool.generate.one_tokens_per_s": one_rate, "pool.generate.two_tokens_per_s": two_rate,
             "pool.generate.speedup": two_rate / one_rate, "pool.generate.completion_tokens": tokens,
             "pool.generate.bound": statistics.median(bounds), "pool.generate.ratio_to_bound": ratio,

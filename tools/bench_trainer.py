@@ -21,9 +21,10 @@ on the same cores cannot make the step shorter than that.
 
 Both children, and the server's reference pass, run with the same torch thread count (`--threads`, default 1: the
 trainer and the server each on a core of its own, as on a cluster where the server has GPUs of its own; with as many
-threads as cores, both ask for every core and the overlap turns into contention, the `cores_bound` row's case); runs alternate stock/remote across repeats and the table gives medians (and, as a cross-check
-robust to load spikes from other work on the machine, the median of all timed steps). The model is built with
-`tools/make_tiny_model.py` (`size="100m"`, ~104M parameters) into a temporary directory, or into `--model-dir`.
+threads as cores, both ask for every core and the overlap turns into contention, the `cores_bound` row's case); runs
+alternate stock/remote across repeats and the table gives medians (and, as a cross-check robust to load spikes
+from other work on the machine, the median of all timed steps). The model is built with `tools/make_tiny_model.py`
+(`size="100m"`, ~104M parameters) into a temporary directory, or into `--model-dir`.
 
     python tools/bench_trainer.py [--quick] [--json FILE] [--model-dir DIR] [--threads N] [--runs KIND,...]
 

@@ -12,12 +12,14 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_tiny_model import make_tiny_model  # noqa: E402
+
+T = TypeVar("T")
 
 MIB = 1 << 20
 
@@ -85,14 +87,21 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def rounds(parts: Sequence[Callable[[], T]], repeats: int) -> list[list[T]]:
+    """Run every part once per round, `repeats` rounds, the order rotated by one each round so that drift in machine
+    load hits every part; each part's results in round order."""
+    results: list[list[T]] = [[] for _ in parts]
+    order = list(enumerate(parts))
+    for rep in range(repeats):
+        for index, part in order[rep % len(order):] + order[:rep % len(order)]:
+            results[index].append(part())
+    return results
+
+
 def alternate(baseline: Callable[[], object], ours: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
     """Time both `repeats` times, swapping which goes first each round so drift in machine load hits both."""
-    times: dict[str, list[float]] = {"baseline": [], "ours": []}
-    order = [("baseline", baseline), ("ours", ours)]
-    for rep in range(repeats):
-        for name, fn in order if rep % 2 == 0 else order[::-1]:
-            times[name].append(timed(fn))
-    return times["baseline"], times["ours"]
+    baseline_s, ours_s = rounds([lambda: timed(baseline), lambda: timed(ours)], repeats)
+    return baseline_s, ours_s
 
 
 def _spin(work: str) -> float:

@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (alternate, header, machine_facts, markdown_table, model_dir, parallel_speedup,  # noqa: E402
-                          timed, verdict, write_json)
+                          rounds, timed, verdict, write_json)
 
 from open_r1_ext.launch.local_server import BuiltinServer  # noqa: E402
 from open_r1_ext.server_pool import ServerPool  # noqa: E402
@@ -111,13 +111,10 @@ def generation_figures(one: ServerPool, two: ServerPool, direct: list[SGLangClie
             check([group for groups in answers for group in groups])
 
     generate(one), generate(two)  # warm-up of both replicas
-    one_s, two_s, direct_s, bounds, cache_bounds = [], [], [], [], []
-    steps = [lambda: one_s.append(timed(lambda: generate(one))), lambda: two_s.append(timed(lambda: generate(two))),
-             lambda: direct_s.append(timed(generate_direct)),
-             lambda: (bounds.append(parallel_speedup("stream")), cache_bounds.append(parallel_speedup("cache")))]
-    for rep in range(setup.repeats):  # each round in a rotated order, so drift in machine load hits every part
-        for step in steps[rep % len(steps):] + steps[:rep % len(steps)]:
-            step()
+    one_s, two_s, direct_s, machine = rounds(
+        [lambda: timed(lambda: generate(one)), lambda: timed(lambda: generate(two)), lambda: timed(generate_direct),
+         lambda: (parallel_speedup("stream"), parallel_speedup("cache"))], setup.repeats)
+    bounds, cache_bounds = [stream for stream, _ in machine], [cache for _, cache in machine]
     ratios = [one / two / bound for one, two, bound in zip(one_s, two_s, bounds)]
     cache_ratios = [one / two / bound for one, two, bound in zip(one_s, two_s, cache_bounds)]
     one_rate, two_rate = tokens / statistics.median(one_s), tokens / statistics.median(two_s)

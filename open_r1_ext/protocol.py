@@ -246,6 +246,83 @@ class UnloadLoRAAdapterReqInput(_Strict):
     lora_name: StrictStr = Field(min_length=1)
 
 
+# SGLang 0.5.23's weight update over torch.distributed (`io_struct.py` ~2002-2215, `http_server.py` ~1404-1505): a
+# group is formed once (`/init_weights_update_group`, the trainer rank 0, the server's TP ranks from `rank_offset`),
+# then each update is a session: `/begin_weight_update`, one `/update_weights_from_distributed` per broadcast,
+# `/end_weight_update`. Every answer is `{"success": bool, "message": str}`, HTTP 400 when not successful.
+DEFAULT_WEIGHT_UPDATE_GROUP = "weight_update_group"  # SGLang's default `group_name`
+FLATTENED_BUCKET = "flattened_bucket"  # `load_format`: one uint8 broadcast of a bucket's tensors, back to back
+WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")  # which runners an update applies to (the built-in server: one)
+UNSUPPORTED_WEIGHT_UPDATE_FIELDS: dict[str, Any] = {"rid": None, "http_worker_ipc": None}
+
+
+class InitWeightsUpdateGroupReqInput(_Strict):
+    """Body of `POST /init_weights_update_group`: join the group whose rank 0 (the trainer) listens at
+    `master_address:master_port`, as rank `rank_offset` (SGLang: plus each TP rank's index)."""
+
+    unsupported = UNSUPPORTED_WEIGHT_UPDATE_FIELDS
+    what = "SGLang's /init_weights_update_group"
+
+    master_address: StrictStr = Field(min_length=1)
+    master_port: StrictInt = Field(ge=1, le=65535)
+    rank_offset: StrictInt = Field(ge=1)
+    world_size: StrictInt = Field(ge=2)
+    group_name: StrictStr = Field(DEFAULT_WEIGHT_UPDATE_GROUP, min_length=1)
+    backend: StrictStr = "nccl"
+
+
+class DestroyWeightsUpdateGroupReqInput(_Strict):
+    """Body of `POST /destroy_weights_update_group`."""
+
+    unsupported = UNSUPPORTED_WEIGHT_UPDATE_FIELDS
+    what = "SGLang's /destroy_weights_update_group"
+
+    group_name: StrictStr = DEFAULT_WEIGHT_UPDATE_GROUP
+
+
+class BeginWeightUpdateReqInput(_Strict):
+    """Body of `POST /begin_weight_update` (opens the session the updates run in)."""
+
+    unsupported = UNSUPPORTED_WEIGHT_UPDATE_FIELDS
+    what = "SGLang's /begin_weight_update"
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateReqInput(_Strict):
+    """Body of `POST /end_weight_update` (closes the session)."""
+
+    unsupported = UNSUPPORTED_WEIGHT_UPDATE_FIELDS
+    what = "SGLang's /end_weight_update"
+
+
+class UpdateWeightsFromDistributedReqInput(_Strict):
+    """Body of `POST /update_weights_from_distributed`: receive the tensors `names` (with their `dtypes` and `shapes`)
+    that rank 0 of `group_name` broadcasts now, one broadcast per tensor, or one for all (`load_format:
+    "flattened_bucket"`: their bytes back to back in one uint8 tensor), and load them."""
+
+    unsupported = UNSUPPORTED_WEIGHT_UPDATE_FIELDS
+    what = "SGLang's /update_weights_from_distributed"
+
+    names: list[StrictStr] = Field(min_length=1)
+    dtypes: list[StrictStr] = Field(min_length=1)
+    shapes: list[list[StrictInt]] = Field(min_length=1)
+    group_name: StrictStr = DEFAULT_WEIGHT_UPDATE_GROUP
+    flush_cache: StrictBool = True
+    abort_all_requests: StrictBool = False
+    weight_version: Optional[StrictStr] = None
+    load_format: Optional[StrictStr] = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_entry_per_name(self) -> "UpdateWeightsFromDistributedReqInput":
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes must have one entry per tensor: {len(self.names)}, "
+                             f"{len(self.dtypes)} and {len(self.shapes)}")
+        return self
+
+
 class StreamOptions(_Strict):
     what = "OpenAI's stream_options"
 
@@ -497,6 +574,24 @@ def completion_from_generate(result: dict) -> Completion:
 def update_weights_request(model_path: str, weight_version: Optional[str] = None, **extra: Any) -> dict:
     """`/update_weights_from_disk` body; `extra` e.g. the built-in server's `mixup_alpha`."""
     body = {"model_path": str(model_path), **extra}
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def init_weights_update_group_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                      group_name: str, backend: str) -> dict:
+    """`/init_weights_update_group` body."""
+    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}
+
+
+def update_weights_from_distributed_request(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                                            group_name: str, weight_version: Optional[str], flush_cache: bool,
+                                            load_format: Optional[str] = FLATTENED_BUCKET) -> dict:
+    """`/update_weights_from_distributed` body for one broadcast (by default one flattened bucket)."""
+    body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name, "flush_cache": bool(flush_cache), "load_format": load_format}
     if weight_version is not None:
         body["weight_version"] = str(weight_version)
     return body

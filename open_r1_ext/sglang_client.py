@@ -71,7 +71,9 @@ TRAINER_SET = {"max_new_tokens": "max_completion_length", "max_tokens": "max_com
                "seed": "seed (one sampling_seed per sample is derived from it)"}
 # Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1653, ~1677, all
 # `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130).
-ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter")
+ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter",
+                "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
+                "/end_weight_update", "/update_weights_from_distributed")
 
 
 class ServerError(RuntimeError):
@@ -200,6 +202,30 @@ class SGLangClient:
 
     def post_json(self, route: str, body: dict, timeout: Optional[float] = None) -> Any:
         return orjson.loads(self._request("POST", route, json=body, timeout=timeout).content)
+
+    def post_once(self, route: str, body: dict, timeout: float) -> dict:
+        """POST `body` once, no retries, within `timeout` seconds, to a route that answers `{success, message}`:
+        that answer, HTTP 400 included (how SGLang says `success: false`). `ServerError` when there is no answer,
+        `ServerRequestError` for another 4xx. For the weight-update routes, whose calls pair with a broadcast."""
+        url = f"{self.base_url}{route}"
+        headers = {**self.session.headers, "Content-Type": "application/json",
+                   **(self.admin_headers if route in ADMIN_ROUTES else {})}
+        try:
+            response = requests.post(url, data=_encode_json(body), headers=headers, timeout=(CONNECT_TIMEOUT, timeout))
+        except requests.RequestException as err:
+            raise ServerError(f"{url}: no answer: {err}") from err
+        if response.status_code in (200, 400):
+            try:
+                answer = orjson.loads(response.content)
+            except orjson.JSONDecodeError:
+                answer = None
+            if isinstance(answer, dict) and "success" in answer:
+                return answer
+        if 400 <= response.status_code < 500:
+            detail = _error_text(response)
+            raise ServerRequestError(f"{url} rejected the request (HTTP {response.status_code}): {detail}",
+                                     response.status_code, detail)
+        raise ServerError(f"{url}: HTTP {response.status_code}: {_error_text(response)}")
 
     # ---------------------------------------------------------------- health
     def is_healthy(self, timeout: float = 5.0, route: str = "/health") -> bool:

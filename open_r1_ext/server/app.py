@@ -36,6 +36,7 @@ from jinja2 import TemplateError
 from open_r1_ext import __version__
 from open_r1_ext.server.batcher import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, Batcher
 from open_r1_ext.server.engine import DTYPES, GenerationTask, LoraSettings, ModelEngine
+from open_r1_ext.server.weight_receiver import DEFAULT_WEIGHT_UPDATE_TIMEOUT_S, NO_SESSION, WeightReceiver
 from open_r1_ext.server.limits import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -64,14 +65,19 @@ from open_r1_ext.server.responses import (
 from open_r1_ext.protocol import (
     LORA_TARGET_ALL,
     SGLANG_LORA_TARGET_MODULES,
+    BeginWeightUpdateReqInput,
     ChatCompletionRequest,
     CompletionRequest,
+    DestroyWeightsUpdateGroupReqInput,
+    EndWeightUpdateReqInput,
     GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
     LoadLoRAAdapterReqInput,
     SamplingParams,
     StreamOptions,
     UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
     error_body,
     lora_update_output,
 )
@@ -120,19 +126,21 @@ REF_PREFIX = "/ref"
 def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[str] = None, random_seed: int = 0,
                context_length: Optional[int] = None, limits: Optional[Limits] = None,
                weight_dirs: Optional[list[str]] = None, deterministic: bool = False, text_only: bool = False,
-               incremental_streaming: bool = False) -> FastAPI:
+               incremental_streaming: bool = False,
+               weight_update_timeout: float = DEFAULT_WEIGHT_UPDATE_TIMEOUT_S) -> FastAPI:
     """The FastAPI application serving each `(engine, batcher)` slot under its URL prefix ("" is the root).
     `limits`: what one request may ask for (default: `Limits()`); `weight_dirs`: the directories
     `/update_weights_from_disk` may read below (None: any); `deterministic` (`--enable-deterministic-inference`):
     `sampling_seed` is honoured (else ignored, as SGLang does); `text_only` (`--openai-text-only`): `/v1/completions`
     imitates a plain OpenAI-compatible server (text prompts only, one choice per prompt whatever `n`, no token ids);
-    `incremental_streaming` (`--incremental-streaming-output`): a `/generate` stream chunk carries only what is new."""
+    `incremental_streaming` (`--incremental-streaming-output`): a `/generate` stream chunk carries only what is new;
+    `weight_update_timeout` (`--weight-update-timeout`): the bound of a distributed weight update's collectives."""
     app = FastAPI(title="open_r1_ext built-in server", version=__version__)
     limits = limits or Limits()
     allowed = None if weight_dirs is None else [os.path.realpath(d) for d in weight_dirs]
     for prefix, (engine, batcher) in slots.items():
         app.include_router(slot_router(engine, batcher, random_seed, context_length, limits, allowed, deterministic,
-                                       text_only, incremental_streaming), prefix=prefix)
+                                       text_only, incremental_streaming, weight_update_timeout), prefix=prefix)
 
     if api_key:  # only then: the middleware costs every request a little
         expected = f"Bearer {api_key}".encode()
@@ -272,7 +280,7 @@ def _handed_in(request: Request) -> None:
 
 def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context_length: Optional[int], limits: Limits,
                 weight_dirs: Optional[list[str]], deterministic: bool = False, text_only: bool = False,
-                incremental: bool = False) -> APIRouter:
+                incremental: bool = False, weight_update_timeout: float = DEFAULT_WEIGHT_UPDATE_TIMEOUT_S) -> APIRouter:
     """The routes of one model slot."""
     app = APIRouter(route_class=OrjsonRoute)
     seeds = random.Random(random_seed)
@@ -360,12 +368,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput) -> JSONResponse:
         if obj.load_format not in LOAD_FORMATS:
             raise BadRequest(f"load_format {obj.load_format!r} is not supported by the built-in server; use 'auto'")
-        aborted = 0
-        if obj.abort_all_requests:  # as SGLang: the requests in flight end now, with finish reason "abort"
-            for task in list(in_flight):
-                if task.finish is None:
-                    task.abort()
-                    aborted += 1
+        aborted = abort_in_flight(in_flight) if obj.abort_all_requests else 0
         future = batcher.call_exclusive(lambda: engine.load_weights(_allowed(obj.model_path, weight_dirs), obj.weight_version, obj.mixup_alpha))
         try:
             message = await asyncio.wrap_future(future)
@@ -689,7 +692,68 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         answer = body("chat.completion", choices, usage=usage([prompt], tasks), metadata=None)
         return Response(orjson.dumps(answer), media_type="application/json")
 
+    weight_update_routes(app, engine, batcher, WeightReceiver(engine.device, weight_update_timeout), in_flight)
     return app
+
+
+def abort_in_flight(in_flight: set[GenerationTask]) -> int:
+    """As SGLang's `abort_all_requests` on a weight update: the requests in flight end now, with finish reason
+    "abort"; returns how many."""
+    aborted = 0
+    for task in list(in_flight):
+        if task.finish is None:
+            task.abort()
+            aborted += 1
+    return aborted
+
+
+def weight_update_routes(app: APIRouter, engine: ModelEngine, batcher: Batcher, receiver: WeightReceiver,
+                         in_flight: set[GenerationTask]) -> None:
+    """SGLang's distributed weight update on one model slot: `/init_weights_update_group`,
+    `/destroy_weights_update_group`, `/begin_weight_update`, `/end_weight_update`, `/update_weights_from_distributed`,
+    each answering `{success, message}` (HTTP 400 when not successful), as SGLang 0.5.23 (`weight_receiver`)."""
+
+    def answer(success: bool, message: str) -> JSONResponse:
+        return JSONResponse(status_code=200 if success else 400, content={"success": success, "message": message})
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        return answer(*await asyncio.to_thread(receiver.init_group, obj))  # generation goes on meanwhile
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
+        return answer(*await asyncio.to_thread(receiver.destroy_group, obj.group_name))
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(obj: BeginWeightUpdateReqInput) -> JSONResponse:
+        return answer(*receiver.begin(obj.selector))
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(obj: EndWeightUpdateReqInput) -> JSONResponse:
+        return answer(*receiver.end())
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
+        if receiver.session is None:
+            return answer(False, NO_SESSION)
+        if obj.abort_all_requests:
+            abort_in_flight(in_flight)
+        try:
+            tensors = await asyncio.to_thread(receiver.receive, obj)  # beside generation, bounded by the group's timeout
+        except Exception as err:  # noqa: BLE001 - SGLang's answer names it
+            logger.error("Failed to receive weights: %s", err)
+            return answer(False, f"Failed to receive weights: {err}")
+        try:
+            await asyncio.wrap_future(batcher.call_exclusive(lambda: engine.load_tensors(dict(tensors), obj.weight_version)))
+        except (WeightFileError, RuntimeError) as err:
+            message = (f"Failed to update parameter online: {err}. The full weights of the ModelRunner are partially "
+                       "updated. Please discard the whole weights.")
+            logger.error(message)
+            return answer(False, message)
+        message = "Succeeded to update parameter online."
+        if obj.weight_version is not None:
+            message += f" Weight version updated to {obj.weight_version}."
+        return answer(True, message)
 
 
 class StreamFailed(RuntimeError):
@@ -756,6 +820,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--weight-dirs", nargs="+", default=None, metavar="DIR",
                         help="/update_weights_from_disk and /load_lora_adapter read only below these directories "
                              "(default: anywhere); launchers pass the run's sync_dir")
+    parser.add_argument("--weight-update-timeout", type=float, default=DEFAULT_WEIGHT_UPDATE_TIMEOUT_S,
+                        help="seconds a distributed weight update's collective may take (forming a group, receiving a "
+                             "broadcast) before it fails; SGLang's groups use torch's default, 30 minutes")
     parser.add_argument("--enable-lora", action="store_true",
                         help="as SGLang: serve LoRA adapters loaded with /load_lora_adapter (needs peft), named by "
                              "lora_path on /generate; a request without one uses the base model")
@@ -838,7 +905,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     max_body_bytes=args.max_body_bytes)
     app = create_app(slots, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length,
                      limits=limits, weight_dirs=args.weight_dirs, deterministic=args.enable_deterministic_inference,
-                     text_only=args.openai_text_only, incremental_streaming=args.incremental_streaming_output)
+                     text_only=args.openai_text_only, incremental_streaming=args.incremental_streaming_output,
+                     weight_update_timeout=args.weight_update_timeout)
     # The hundreds of thousands of objects torch, transformers and FastAPI leave on the heap are permanent: keep the
     # garbage collector from re-scanning them after every response (measured: ~90 ms of CPU per 32x256 request).
     gc.collect()

@@ -269,35 +269,47 @@ class ModelEngine:
         on a problem `WeightFileError` is raised and the old weights stay in service. With `mixup_alpha`,
         each parameter becomes `alpha * new + (1 - alpha) * old`.
         """
+        count = self._load(read_weight_dir(Path(path)), str(path), weight_version, mixup_alpha, whole=True)
+        self.loaded_path = str(path)
+        how = f"mixed with alpha={mixup_alpha}" if mixup_alpha not in (None, 1.0) else "loaded"
+        return f"Succeeded to update model weights: {how} {count} tensors from {path}."
+
+    @torch.inference_mode()
+    def load_tensors(self, tensors: dict[str, torch.Tensor], weight_version: Optional[str]) -> int:
+        """Load some of the weights (a bucket received over torch.distributed), with the checks of `load_weights`
+        (all or nothing for these tensors); returns how many were loaded."""
+        return self._load(tensors, "the received tensors", weight_version, None, whole=False)
+
+    def _load(self, tensors: dict[str, torch.Tensor], where: str, weight_version: Optional[str],
+              mixup_alpha: Optional[float], whole: bool) -> int:
+        """Check `tensors` (every parameter there if `whole`), then copy them into the parameters."""
         params = _own_names(self.model.named_parameters())
-        tensors = read_weight_dir(Path(path))
         tied = set(_own_names((name, None) for name in self.model.state_dict())) - set(params)
         unknown = sorted(set(tensors) - set(params) - tied)
-        missing = sorted(set(params) - set(tensors))
+        missing = sorted(set(params) - set(tensors)) if whole else []
         if unknown:
-            raise WeightFileError(f"{path}: tensors not in the served model: {', '.join(unknown[:5])}")
+            raise WeightFileError(f"{where}: tensors not in the served model: {', '.join(unknown[:5])}")
         if missing:
-            raise WeightFileError(f"{path}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
-        for name, param in params.items():
+            raise WeightFileError(f"{where}: missing tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        loaded = {name: param for name, param in params.items() if name in tensors}
+        for name, param in loaded.items():
             tensor = tensors[name]
             if tuple(tensor.shape) != tuple(param.shape):
                 raise WeightFileError(
-                    f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the served model needs {tuple(param.shape)}"
+                    f"{where}: tensor {name} has shape {tuple(tensor.shape)}, the served model needs {tuple(param.shape)}"
                 )
             if not tensor.is_floating_point():
-                raise WeightFileError(f"{path}: tensor {name} is {tensor.dtype}, not floating point (would be cast to {param.dtype})")
+                raise WeightFileError(f"{where}: tensor {name} is {tensor.dtype}, not floating point (would be cast to {param.dtype})")
             if not _all_finite(tensor):
-                raise WeightFileError(f"{path}: tensor {name} has NaN or Inf values")
-        for name, param in params.items():
+                raise WeightFileError(f"{where}: tensor {name} has NaN or Inf values")
+        for name, param in loaded.items():
             new = tensors[name].to(device=param.device, dtype=param.dtype)
             if mixup_alpha is None or mixup_alpha == 1.0:
                 param.copy_(new)
             else:
                 param.mul_(1.0 - mixup_alpha).add_(new, alpha=mixup_alpha)
-        self.loaded_path = str(path)
         self.weight_version = weight_version if weight_version is not None else self.weight_version
-        how = f"mixed with alpha={mixup_alpha}" if mixup_alpha not in (None, 1.0) else "loaded"
-        return f"Succeeded to update model weights: {how} {len(params)} tensors from {path}."
+        return len(loaded)
 
     # ------------------------------------------------------------ LoRA adapters
     @torch.no_grad()  # not inference_mode: peft sets requires_grad on adapter weights when another one is removed

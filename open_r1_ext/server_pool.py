@@ -52,11 +52,16 @@ class _Behind(ServerError):
 
 @dataclass(frozen=True)
 class _Weights:
-    """The pool's last successful `update_weights_from_disk` call, replayed to every joiner."""
+    """The pool's weights: its last successful `update_weights_from_disk` call, replayed to every joiner; or, with
+    `path` None, weights the trainer pushed over the network (`begin_push`), which a joiner waits to be sent."""
 
-    path: str
+    path: Optional[str]
     version: Optional[str]
     extra: dict = field(default_factory=dict)
+
+    @property
+    def pushed(self) -> bool:
+        return self.path is None
 
 
 class Replica:
@@ -145,6 +150,9 @@ class ServerPool:
         self._started = False
         self._jobs = ThreadPoolExecutor(max_workers=4, thread_name_prefix="open_r1_ext-pool")
         self._placement = threading.local()
+        # called while the pool waits for replicas, when the trainer pushes weights: it may push them to the replicas
+        # `behind()` from the waiting thread (the trainer decides whether it can, there and then)
+        self.push_hook: Optional[Callable[[], None]] = None
 
     # ------------------------------------------------------------ membership
     @property
@@ -202,8 +210,9 @@ class ServerPool:
                         replica = Replica(name, url, SGLangClient(url, **self._client_settings))
                         self._replicas[name] = replica
                         started.append(self._start_join(replica))
-                for replica in self._replicas.values():
-                    if replica.state == DROPPED and (replica.join is None or replica.join.done()):
+                waiting = (DROPPED, JOINING) if self._weights is not None and self._weights.pushed else (DROPPED,)
+                for replica in self._replicas.values():  # (pushed weights: a joiner is asked again if it has them)
+                    if replica.state in waiting and (replica.join is None or replica.join.done()):
                         self._start_join(replica)
         with self._lock:
             if not self._updating:
@@ -233,10 +242,24 @@ class ServerPool:
             self._drop(replica, err)
 
     def _catch_up(self, replica: Replica, returning: bool) -> None:
-        """Replay the pool's last weight update and its loaded adapters on `replica`, until they are the pool's."""
+        """Replay the pool's last weight update and its loaded adapters on `replica`, until they are the pool's.
+        Weights the trainer pushed are not replayed: a replica without them stays joining until it is sent them."""
         while True:
             with self._lock:
                 weights, adapters = self._weights, dict(self._adapters)
+            if weights is not None and weights.pushed:
+                reported = replica.client.weight_version()
+                with self._lock:
+                    replica.version = reported
+                    if self._weights != weights or self._replicas.get(replica.name) is not replica:
+                        continue
+                    if reported != weights.version:
+                        replica.state = JOINING
+                        return
+                    joined = replica.state != SERVING
+                    replica.state, replica.reason = SERVING, None
+                    serving = sum(r.state == SERVING for r in self._replicas.values())
+                break
             with replica.lock:
                 if weights is not None:
                     reported = replica.client.weight_version()
@@ -309,6 +332,8 @@ class ServerPool:
                         f"{self.role} servers: {len(ready)} of min_replicas {self.min_replicas} serving after waiting "
                         f"{timeout:.0f} s{self._lost_text()}. Start replacements (their address files go to "
                         f"{self.directory or 'the URLs given'}), or lower min_replicas.")
+                if self.push_hook is not None:
+                    self.push_hook()
                 time.sleep(0.2)
                 self._refresh()
                 ready = self._ready()
@@ -481,11 +506,61 @@ class ServerPool:
         self._serving()  # replicas lost on the way: wait for them to come back (with these weights)
         return {"success": True, "message": f"{len(confirmed)} replica(s) loaded {model_path}", "replicas": confirmed}
 
-    def expect_weights(self, model_path: str, weight_version: Optional[str] = None, **extra: Any) -> None:
+    def expect_weights(self, model_path: Optional[str], weight_version: Optional[str] = None, **extra: Any) -> None:
         """Take an update another process's pool made (the main trainer process's) as this pool's weights: no
-        request is sent, but a replica not at `weight_version` is caught up (replaying it) before it serves here."""
+        request is sent, but a replica not at `weight_version` is caught up (replaying it; `model_path` None: the
+        weights were pushed, and it waits for them) before it serves here."""
         with self._lock:
-            self._weights = _Weights(str(model_path), None if weight_version is None else str(weight_version), extra)
+            self._weights = _Weights(None if model_path is None else str(model_path),
+                                     None if weight_version is None else str(weight_version), extra)
+
+    # ------------------------------------------------------------ weights pushed over the network
+    def begin_push(self, only: Optional[Sequence[str]] = None) -> dict[str, SGLangClient]:
+        """For weights the caller sends itself (a broadcast, `weight_broadcast`): the replicas to send them to now,
+        every serving or joining one (or those named in `only`), `{name: client}`. `end_push` must follow."""
+        self._refresh()
+        with self._lock:
+            self._updating += 1
+            return {r.name: r.client for r in self._replicas.values()
+                    if r.state in (SERVING, JOINING) and (only is None or r.name in only)}
+
+    def end_push(self, outcomes: dict[str, Optional[ServerError]], weight_version: str, whole: bool = True) -> dict:
+        """Record what `begin_push` sent: a replica that took `weight_version` serves it; one that failed is dropped
+        (it waits for the next push once it answers again), one that refused raises `ServerRequestError` naming
+        it. `whole`: these are the pool's weights from now on (a sync), else a catch-up to the pool's version."""
+        refused, confirmed = [], {}
+        try:
+            with self._lock:
+                if whole:
+                    self._weights = _Weights(None, str(weight_version))
+                for name, error in outcomes.items():
+                    replica = self._replicas.get(name)
+                    if replica is not None and error is None:
+                        replica.version, replica.state, replica.reason = str(weight_version), SERVING, None
+                        confirmed[name] = str(weight_version)
+            for name, error in outcomes.items():
+                replica = self._replicas.get(name)
+                if replica is None or error is None:
+                    continue
+                if isinstance(error, ServerRequestError):
+                    refused.append((replica, error))
+                self._drop(replica, error)
+        finally:
+            with self._lock:
+                self._updating -= 1
+        if refused:
+            raise ServerRequestError(f"{len(refused)} of {len(outcomes)} {self.role} replica(s) refused: "
+                                     + "; ".join(f"{r.name}: {e}" for r, e in refused), 400)
+        return {"success": True, "message": f"{len(confirmed)} replica(s) took {weight_version}", "replicas": confirmed}
+
+    def behind(self) -> list[str]:
+        """The replicas that answer but wait for pushed weights (joiners, restarted or dropped replicas)."""
+        self._refresh()
+        with self._lock:
+            if self._weights is None or not self._weights.pushed:
+                return []
+            return [r.name for r in self._replicas.values()
+                    if r.state == JOINING and r.join is not None and r.join.done()]
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """Every serving replica loads the adapter (replayed to each replica that joins later)."""

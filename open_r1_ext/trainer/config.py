@@ -12,8 +12,10 @@ from trl import GRPOConfig
 
 from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, sampling_kwargs
 from open_r1_ext.trainer.weight_sync import DEFAULT_BUCKET_MB
+from open_r1_ext.weight_broadcast import BACKENDS, DEFAULT_TIMEOUT_S
 
 GENERATION_BACKENDS = ("sglang", "openai")
+TRANSPORTS = ("disk", "distributed")
 SYNC = {"section": "sync"}  # field metadata: the field belongs in a recipe's `sync:` section (open_r1_ext.launch.recipe)
 
 
@@ -115,6 +117,23 @@ class RemoteGRPOConfig(GRPOConfig):
             A dump walks the policy in buckets of at most this many MB (10^6 bytes), each written as one safetensors
             shard; under DeepSpeed ZeRO-3 only one bucket is gathered at a time, so a dump needs about one bucket of
             extra memory per process, whatever the model's size. With N processes each writes every N-th shard.
+        transport (`str`, *optional*, defaults to `"disk"`):
+            How the generation server gets the policy: `"disk"` (a dump in `sync_dir` it reloads) or `"distributed"`
+            (the main process broadcasts it over torch.distributed, SGLang's `/update_weights_from_distributed`, in
+            buckets of `bucket_mb`: nothing is written to disk; the reference's syncs stay dumps). The servers must
+            reach this process's address and ports; a server with `dp_size > 1` is refused (SGLang's rule); LoRA
+            adapters and OpenAI-compatible servers sync through the disk.
+        distributed_backend (`str`, *optional*, defaults to `"auto"`):
+            `"nccl"`, `"gloo"`, or `"auto"`: NCCL when the trainer is on a GPU and no server says it runs elsewhere
+            (`/server_info` `device`), else gloo.
+        distributed_timeout (`float`, *optional*, defaults to `300.0`):
+            Seconds a group's formation, one bucket's broadcast or one of its HTTP calls may take; past it the server
+            is reported and left out of the update (the broadcaster process is killed if it does not return).
+        distributed_master_address (`str` or `None`, *optional*, defaults to `None`):
+            The address of the trainer's main process that the servers connect to; default: the address of the
+            interface this machine reaches each server through.
+        distributed_port (`int`, *optional*, defaults to `0`):
+            The first port the trainer listens on, one per server (a firewall's opening); 0 takes free ports.
         max_weight_staleness (`int`, *optional*, defaults to `0`):
             When a reload fails after its retries, training stops (0) unless the generation weights are at most this
             many steps old, in which case it goes on with a warning.
@@ -203,6 +222,26 @@ class RemoteGRPOConfig(GRPOConfig):
         metadata={"help": "Dumps gather (ZeRO-3) and write the policy in buckets of at most this many MB, one shard each.",
                   **SYNC},
     )
+    transport: str = field(
+        default="disk",
+        metadata={"help": "How the generation server gets the policy: a dump it reloads, or a broadcast over "
+                          "torch.distributed.", "choices": list(TRANSPORTS), **SYNC},
+    )
+    distributed_backend: str = field(
+        default="auto", metadata={"help": "With transport distributed: nccl, gloo, or auto (NCCL on GPUs).",
+                                  "choices": list(BACKENDS), **SYNC},
+    )
+    distributed_timeout: float = field(
+        default=DEFAULT_TIMEOUT_S,
+        metadata={"help": "With transport distributed: seconds a group formation, bucket or HTTP call may take.", **SYNC},
+    )
+    distributed_master_address: Optional[str] = field(
+        default=None, metadata={"help": "With transport distributed: the trainer's address the servers connect to.", **SYNC}
+    )
+    distributed_port: int = field(
+        default=0, metadata={"help": "With transport distributed: the first port the trainer listens on (0: free ports).",
+                             **SYNC}
+    )
     max_weight_staleness: int = field(
         default=0, metadata={"help": "After a failed reload, go on if generation weights are at most this many steps old.", **SYNC}
     )
@@ -276,6 +315,17 @@ class RemoteGRPOConfig(GRPOConfig):
         for name in ("weight_sync_steps", "keep_last_dumps", "max_weight_staleness"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        if self.distributed_backend not in BACKENDS:
+            raise ValueError(f"distributed_backend={self.distributed_backend!r}: choose one of {', '.join(BACKENDS)}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout={self.distributed_timeout}: must be > 0 (seconds)")
+        if not 0 <= self.distributed_port <= 65535:
+            raise ValueError(f"distributed_port={self.distributed_port}: a port in 1-65535, or 0 for free ports")
+        if self.transport == "distributed" and self.generation_backend == "openai":
+            raise ValueError("transport='distributed' with generation_backend='openai': an OpenAI-compatible server has "
+                             "no distributed weight update; use transport='disk'")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb={self.bucket_mb}: must be > 0 (MB per shard of a weight dump)")
         if self.ref_model_sync_steps is not None and self.ref_model_sync_steps < 1:

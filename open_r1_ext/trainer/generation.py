@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,9 +25,10 @@ from typing import Any, Callable, Iterator, Optional, Union
 from open_r1_ext.openai_client import OpenAICompletionsClient
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, Completion, sampling_params
 from open_r1_ext.server_pool import ServerPool
-from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
+from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, adapter_name
+from open_r1_ext.weight_broadcast import PARTIAL
 
 logger = logging.getLogger(__name__)
 # A process other than the main one that names an adapter the server does not hold waits for the main process to
@@ -80,8 +82,12 @@ class RemoteGeneration:
         self.target: Optional[SyncTarget] = None
         if trainer.args.weight_sync_steps > 0:
             self.target = SyncTarget("generation", getattr(client, "http", client), adapter=weight_sync.adapter_only,
-                                     keep_adapters=self.adapters_in_use())
+                                     keep_adapters=self.adapters_in_use(),
+                                     distributed=trainer.args.transport == "distributed")
             weight_sync.targets.append(self.target)
+            if self.target.distributed and isinstance(client, ServerPool) and trainer.accelerator.is_main_process:
+                client.push_hook = self._catch_up_while_waiting
+        self._catching_up = False
         self._weights_checked = False
         self.context_length: Optional[int] = None  # read by `read_context_length` at start-up
         self.later_turn = False  # set while TRL's tool loop asks for the turns after a tool call
@@ -166,6 +172,83 @@ class RemoteGeneration:
         else:
             self.weight_sync.share_state([self.target])
 
+    # --------------------------------------------------------- weights pushed over the network (catch-up)
+    def catch_up(self, collective: bool = True) -> None:
+        """With `transport: distributed`, bring the servers that lost the trainer's weights (a pool's joiners, restarted
+        or dropped replicas; a restarted server) back to them. Every rank calls it at the start of each generation
+        batch (`collective`: the training loop's lock-step); else the main process alone, where it holds the whole
+        policy (`_can_push_here`). The weights of the last sync go to those servers; if the policy changed since
+        (`weight_sync_steps > 1`), every server gets the current one, a sync (only collectively, or in one process)."""
+        target, trainer = self.target, self.trainer
+        if target is None or not target.distributed or target.step is None or self._catching_up:
+            return
+        plan, error = None, None
+        if trainer.accelerator.is_main_process:
+            try:
+                behind = self._servers_behind()
+            except ServerError as err:  # the server is gone: every rank stops with this
+                behind, error = [], f"{err}"
+            if behind:
+                plan = behind if trainer.state.global_step == target.step else "whole"
+        if collective:
+            plan, error = self.weight_sync.broadcast_from_main((plan, error))
+        if error is not None:
+            raise ServerError(error)
+        if plan is None or (plan == "whole" and not collective and trainer.accelerator.num_processes > 1):
+            return  # (the other processes' pools must learn a new version: at the next batch)
+        self._catching_up = True
+        try:
+            if plan == "whole":
+                failed = self.weight_sync.send(trainer.model, trainer.state.global_step, target, collective=collective)
+            else:
+                logger.info("sending the weights of step %d to %s (they lost them)", target.step, ", ".join(plan))
+                failed = self.weight_sync.send(trainer.model, target.step, target, only=plan, collective=collective)
+        finally:
+            self._catching_up = False
+        if failed is not None:
+            logger.warning("could not send the trainer's weights to servers that lost them: %s", failed)
+
+    def _servers_behind(self) -> list[str]:
+        """Main process: the servers that answer without the trainer's weights (a pool's replica names, or the URL)."""
+        client = self.target.client
+        if isinstance(client, ServerPool):
+            return client.behind()
+        return [] if client.weight_version() == self.target.version else [client.base_url]
+
+    def _can_push_here(self) -> bool:
+        """Whether this thread may push the weights alone: the main process's training thread, holding the whole
+        policy (one process, or not ZeRO-3) and not in the middle of an optimizer step (that is another thread)."""
+        accelerator = self.trainer.accelerator
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        zero3 = plugin is not None and plugin.zero_stage == 3
+        return (accelerator.is_main_process and threading.current_thread() is threading.main_thread()
+                and (accelerator.num_processes == 1 or not zero3))
+
+    def _catch_up_while_waiting(self) -> None:
+        """A pool's wait for replicas (`push_hook`): send the weights to those behind, if this thread may."""
+        if self._can_push_here():
+            self.catch_up(collective=False)
+
+    def _restore(self) -> None:
+        """A generation came back from other weights than the trainer's (the server restarted, or an update reached it
+        half-way): send them now if this thread may, else wait for the main process to (its next batch or sync),
+        up to `ADAPTER_WAITS_S`; then `WeightSyncError`."""
+        target = self.target
+        if self._can_push_here():
+            self.catch_up(collective=False)
+        for wait in (0, *ADAPTER_WAITS_S):
+            time.sleep(wait)
+            reported = target.client.weight_version()
+            if not str(reported).endswith(PARTIAL) and version_number(reported) >= version_number(target.version):
+                return
+            logger.warning("generation server at %s reports weight_version %s, the trainer's is %s: waiting for the "
+                           "main process to send its weights", target.client.base_url, reported, target.version)
+        raise WeightSyncError(
+            f"the generation server at {target.client.base_url} lost the trainer's weights (it reports "
+            f"{target.client.weight_version()!r}, expected {target.version!r}) and did not get them back within "
+            f"{sum(ADAPTER_WAITS_S)} s; under DeepSpeed ZeRO-3 with transport distributed the weights are sent again "
+            "at the start of the next batch only: resume from the checkpoint")
+
     def _job(self, prompt_ids, num_generations: int,
              seeds: list[int]) -> Callable[[], tuple[list[Completion], Optional[list[str]]]]:
         """A callable that generates the completions of `prompt_ids` (on this thread or the rollout thread), and
@@ -184,7 +267,8 @@ class RemoteGeneration:
                 target = self.target
                 if target is not None and any(version_number(c.weight_version) < version_number(target.version)
                                               for c in completions if c.weight_version is not None):
-                    self.weight_sync.repush(target)  # the server restarted and lost our weights: reload, sample again
+                    # the server restarted and lost our weights: reload (or send) them, sample again
+                    self._restore() if target.distributed else self.weight_sync.repush(target)
                     completions = sample()
             self.trainer.prefetch_reference(prompt_ids, [c.token_ids for c in completions])
             return completions, self.client.served_by() if isinstance(self.client, ServerPool) else None
@@ -320,7 +404,16 @@ class AsyncRemoteGeneration(RemoteGeneration):
 
     def sync_weights(self, step: int, references: list[SyncTarget]) -> None:
         """Dump now; the reference servers reload now, the generation server's reload is queued on the rollout
-        thread (a failure there is logged, and the staleness check of the next batches decides whether to stop)."""
+        thread (a failure there is logged, and the staleness check of the next batches decides whether to stop).
+        With `transport: distributed` the generation server gets the policy now, by a broadcast from this thread
+        (the weights change after it): a generation in flight on the server delays it (SGLang lets requests end
+        first), and requests that end between two buckets say `<N>-partial` and are sampled again."""
+        if self.target.distributed:
+            if references and (error := self.weight_sync.sync(self.trainer.model, step, references)) is not None:
+                raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
+            if (error := self.weight_sync.send(self.trainer.model, step, self.target)) is not None:
+                logger.warning("weight sync of step %d failed: %s", step, error)
+            return
         path = self.weight_sync.dump(self.trainer.model, step)  # raises WeightDumpError on every rank
         if references and (error := self.weight_sync.publish(references, path, step)) is not None:
             raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")

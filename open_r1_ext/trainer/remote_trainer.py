@@ -29,7 +29,8 @@ from open_r1_ext.trainer.generation import remote_generation, server_client
 from open_r1_ext.trainer.reference_prefetch import ReferencePrefetch
 from open_r1_ext.trainer.step_timing import PARTS, StepTimer, StepTimingCallback
 from open_r1_ext.trainer.stop_signal import StopOnSignal
-from open_r1_ext.trainer.weight_sync import SyncTarget, WeightDumpError, WeightSync, WeightSyncError, epochs_crossed
+from open_r1_ext.trainer.weight_sync import (NetworkTransport, SyncTarget, WeightDumpError, WeightSync, WeightSyncError,
+                                            epochs_crossed)
 
 logger = logging.getLogger(__name__)
 # TRL's `vllm_mode` while remote generation stands in for vLLM: neither "colocate" nor "server", so no TRL code path
@@ -97,9 +98,16 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self.beta = beta
         self.step_timer = StepTimer(PARTS)  # its parts are narrowed to this run's once the servers are known
 
+        adapter_only = syncs_adapter(self.model, args)
+        if adapter_only and args.transport == "distributed":
+            raise ValueError("transport='distributed' with a PEFT policy: its syncs are LoRA adapters, which SGLang loads "
+                             "from a path (/load_lora_adapter) and which are small (about 1% of the model): they stay "
+                             "on disk; set transport='disk'")
+        network = NetworkTransport(args.distributed_backend, args.distributed_timeout, args.distributed_master_address,
+                                   args.distributed_port) if args.transport == "distributed" else None
         self.weight_sync = WeightSync(self.accelerator, args.sync_dir, args.keep_last_dumps,
                                       f"{args.output_dir}/weight_sync.jsonl", targets=[], bucket_mb=args.bucket_mb,
-                                      adapter_only=syncs_adapter(self.model, args))
+                                      adapter_only=adapter_only, network=network)
         self.ref_client = server_client(args, args.ref_model_url, args.ref_model_server_dir, args.reference_min_replicas,
                                         args.ref_model_route, role="reference") if remote_reference else None
         self.reference_target = None
@@ -165,12 +173,19 @@ class RemoteGRPOTrainer(GRPOTrainer):
                     f"(its /server_info: enable_lora {info.get('enable_lora')}, max_lora_rank {info.get('max_lora_rank')}), "
                     f"which adapter-only weight sync sends it: start it with --enable-lora --max-lora-rank {rank} "
                     "--lora-target-modules all (or the adapter's modules)")
+        if generation_client is not None and getattr(self.remote_generation.target, "distributed", False):
+            dp_size = generation_client.server_info().get("dp_size") or 1
+            if dp_size > 1:
+                raise ValueError(f"transport='distributed': the generation server at {generation_client.base_url} runs "
+                                 f"dp_size {dp_size}, and SGLang refuses distributed weight updates with data "
+                                 "parallelism: set transport='disk', or serve with dp_size 1 (replicas for more servers)")
         if self.remote_generation is not None:
             self.remote_generation.read_context_length(self.model.config)
 
     def _time_steps(self, remote_reference: bool) -> None:
         """Log each step's parts (`step_timing.py`): those this run can have. Weight sync is timed around the calls
-        of `self.weight_sync` (it knows nothing of steps): the dump, the servers' reloads, the wait for the last seal."""
+        of `self.weight_sync` (it knows nothing of steps): the dump, the servers' reloads (or the broadcast they
+        receive), the wait for the last seal."""
         asynchronous = self.args.async_generation
         absent = {"rollout_wait" if not asynchronous else "generate"}
         if not remote_reference:
@@ -179,9 +194,11 @@ class RemoteGRPOTrainer(GRPOTrainer):
             absent.add("reference_send")  # sent from TRL's hook, or from the rollout thread
         if not self.weight_sync.targets:
             absent |= {"dump", "reload_wait", "seal_wait"}
+        elif all(target.distributed for target in self.weight_sync.targets):
+            absent |= {"dump", "seal_wait"}  # sent over the network: no dump
         self.step_timer.parts = tuple(part for part in PARTS if part not in absent)
         for method, part in (("dump", "dump"), ("publish", "reload_wait"), ("repush", "reload_wait"),
-                             ("wait_durable", "seal_wait")):
+                             ("send", "reload_wait"), ("wait_durable", "seal_wait")):
             self.step_timer.time_calls(self.weight_sync, method, part)
         self.add_callback(StepTimingCallback(self))
 
@@ -308,6 +325,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         # (only the training loop reads its batches through this method)
         if self.remote_generation is not None:
+            self.remote_generation.catch_up()  # every rank, at each step: servers that lost pushed weights get them
             epoch_iterator = self.remote_generation.batches(epoch_iterator)
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
@@ -364,6 +382,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
                 self.remote_generation.close()
             if self.reference_prefetch is not None:
                 self.reference_prefetch.close()
+            self.weight_sync.close()
         self.weight_sync.wait_durable()  # the last dumps on disk and their syncs logged before train() returns
         return result
 

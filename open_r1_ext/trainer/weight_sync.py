@@ -31,12 +31,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
+from open_r1_ext.weight_broadcast import DEFAULT_TIMEOUT_S, WeightBroadcast, resolve_backend
 from open_r1_ext.weight_files import (WeightFileError, check_manifest, is_disk_full, publish, remove_temporary_dirs,
                                       seal_weight_dir, shard_name, temporary_dir, write_index, write_shard)
 
@@ -79,6 +80,7 @@ class SyncTarget:
     adapter: bool = False
     keep_adapters: int = 1
     loaded: list[str] = field(default_factory=list)
+    distributed: bool = False  # sent over the network (`WeightSync.send`), not dumped
 
     def version_for(self, step: int) -> str:
         return str(step) if self.role == "generation" else f"ref-{step}"
@@ -165,16 +167,16 @@ class PolicyWeights:
         return self.model.get_submodule(name.removesuffix(".base_layer.weight"))
 
     @contextlib.contextmanager
-    def gathered(self, bucket: Bucket, read: bool) -> Iterator[dict[str, torch.Tensor]]:
-        """The bucket's tensors on CPU under their served names (when `read`; else `{}`), gathered under ZeRO-3 for
-        the time of the block (every rank enters it, reading or not)."""
+    def gathered(self, bucket: Bucket, read: bool, device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+        """The bucket's tensors on `device` under their served names (when `read`; else `{}`), gathered under ZeRO-3
+        for the time of the block (every rank enters it, reading or not)."""
         gather = contextlib.nullcontext()
         if self.zero3:
             import deepspeed
 
             gather = deepspeed.zero.GatheredParameters(self._gathered_params(bucket), modifier_rank=None)
         with gather, torch.no_grad():
-            yield self._read(bucket) if read else {}
+            yield self._read(bucket, device) if read else {}
 
     def _gathered_params(self, bucket: Bucket) -> list[torch.nn.Parameter]:
         """What a bucket gathers under ZeRO-3: its parameters and the LoRA parameters merged into them."""
@@ -182,20 +184,21 @@ class PolicyWeights:
         return params + [p for name in bucket.names if (layer := self._lora_layer(name)) is not None
                          for n, p in layer.named_parameters() if "lora_" in n]
 
-    def _read(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+    def _read(self, bucket: Bucket, device: str) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion
 
         # the checkpoint's names and layout where transformers converts on load (e.g. fused experts); else as is
-        served = {served_name(name): self._served(self.tensors[name], self._lora_layer(name)) for name in bucket.names}
+        served = {served_name(name): self._served(self.tensors[name], self._lora_layer(name), device)
+                  for name in bucket.names}
         return revert_weight_conversion(self.model, served)
 
     @staticmethod
-    def _served(tensor: torch.Tensor, layer) -> torch.Tensor:
+    def _served(tensor: torch.Tensor, layer, device: str) -> torch.Tensor:
         if layer is not None and not layer.merged:
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
                     tensor = tensor + layer.get_delta_weight(adapter)
-        return tensor.detach().to("cpu").contiguous()
+        return tensor.detach().to(device).contiguous()
 
 
 class AdapterWeights(PolicyWeights):
@@ -214,7 +217,7 @@ class AdapterWeights(PolicyWeights):
     def _gathered_params(self, bucket: Bucket) -> list[torch.nn.Parameter]:
         return [self.tensors[name] for name in bucket.names]
 
-    def _read(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+    def _read(self, bucket: Bucket, device: str) -> dict[str, torch.Tensor]:
         from peft import get_peft_model_state_dict
 
         # copies: under ZeRO-3 the gathered storage goes with the bucket, and the file is written after the last one
@@ -253,8 +256,11 @@ class WeightSync:
     """Dumps and pushes the policy to servers; see the module docstring."""
 
     def __init__(self, accelerator, sync_dir: str, keep_last_dumps: int, log_path: str, targets: list[SyncTarget],
-                 reload_attempts: int = 3, bucket_mb: float = DEFAULT_BUCKET_MB, adapter_only: bool = False):
+                 reload_attempts: int = 3, bucket_mb: float = DEFAULT_BUCKET_MB, adapter_only: bool = False,
+                 network: Optional["NetworkTransport"] = None):
         self.accelerator = accelerator
+        self.network = network  # how targets with `distributed` are reached (`sync.transport: distributed`)
+        self._sender: Optional[WeightBroadcast] = None  # main process, from the first push
         self.adapter_only = adapter_only  # dump a PEFT policy's adapter alone (`AdapterWeights`), not merged weights
         self.targets = targets
         self.sync_dir = Path(sync_dir)
@@ -274,9 +280,60 @@ class WeightSync:
 
     # ------------------------------------------------------------ collective
     def sync(self, model, step: int, targets: list[SyncTarget]) -> Optional[str]:
-        """Dump the policy at `step` and push it to `targets`; every rank calls it. Returns None or the reload's error
-        (a dump that cannot be written raises `WeightDumpError`)."""
-        return self.publish(targets, self.dump(model, step), step)
+        """Bring `targets` to the policy at `step`, every rank calls it: those reached over the network by a broadcast
+        (`send`), the others by a dump they reload. Returns None or the first error (a dump that cannot be written
+        raises `WeightDumpError`)."""
+        dumped = [t for t in targets if not t.distributed]
+        error = self.publish(dumped, self.dump(model, step), step) if dumped else None
+        for target in targets:
+            if target.distributed:
+                error = error or self.send(model, step, target)
+        return error
+
+    def send(self, model, step: int, target: SyncTarget, only: Optional[list[str]] = None,
+             collective: bool = True) -> Optional[str]:
+        """Broadcast the policy to `target`'s servers (`weight_broadcast`) as weight version `step`, bucket by bucket
+        in the dump's walk; returns None or the error. Every rank calls it when `collective` (under ZeRO-3 every
+        bucket is gathered everywhere, and the outcome is shared); else only the main process, which must hold the
+        whole policy. `only` (replica names, or URLs): a catch-up of those servers to the target's version, which stays
+        the same; else a sync, which every server confirms."""
+        weights = PolicyWeights(self.accelerator, model, self.bucket_bytes)
+        version = target.version_for(step)
+        update, error, push = None, None, None
+        if self.accelerator.is_main_process:
+            try:
+                push = _Push(target, only)
+                update = self.sender(push.clients).update(list(push.clients.values()), version, len(weights.buckets))
+            except (ServerError, OSError) as err:
+                error = f"the {target.role} server did not take the new weights: {err}"
+                if push is not None:
+                    push.cancel()
+        device = "cpu" if self._sender is None else self._sender.broadcaster.device
+        self.walk(weights, lambda index: update is not None and bool(update.live), lambda i, t: update.send(i, t), device)
+        if update is not None:
+            error = push.finish(update.finish(), version, whole=only is None)
+        if collective:
+            error = self.broadcast_from_main(error)
+        if error is None and only is None:
+            self.confirm([target], None, step)
+        return error
+
+    def sender(self, clients: dict[str, SGLangClient]) -> WeightBroadcast:
+        """The main process's `WeightBroadcast`, made at the first send (its backend: the recipe's, or NCCL when this
+        process and the servers are on GPUs)."""
+        if self._sender is None:
+            network = self.network or NetworkTransport()
+            device = self.accelerator.device
+            reported = [client.server_info().get("device") for client in clients.values()]
+            backend = resolve_backend(network.backend, device, reported)
+            self._sender = WeightBroadcast(backend, device if backend == "nccl" else torch.device("cpu"),
+                                           network.timeout_s, network.master_address, network.port)
+        return self._sender
+
+    def close(self) -> None:
+        """End of training: the broadcaster process (if any) stops; a later send starts a new one."""
+        if self._sender is not None:
+            self._sender.close()
 
     def publish(self, targets: list[SyncTarget], path: Path, step: int) -> Optional[str]:
         """Have `targets` reload the dump `path` now; every rank calls it. Returns None or the error."""
@@ -325,27 +382,38 @@ class WeightSync:
             raise WeightDumpError(f"{error}\nStopping at step {step}: the servers keep the weights they have.")
         return path
 
+    @staticmethod
+    def walk(weights: PolicyWeights, wanted: Callable[[int], bool], take: Callable[[int, dict[str, torch.Tensor]], None],
+             device: str = "cpu") -> None:
+        """The one walk over the policy's buckets, in order: `take(index, tensors)` for each bucket this rank
+        `wanted` (its tensors on `device`). Under ZeRO-3 every bucket is gathered on every rank (a collective), wanted
+        or not; otherwise a rank reads only what it wants. Its sinks: a dump's shards, a broadcast to the servers."""
+        for index, bucket in enumerate(weights.buckets):
+            read = wanted(index)
+            if not read and not weights.zero3:
+                continue
+            with weights.gathered(bucket, read=read, device=device) as tensors:
+                if tensors:
+                    take(index, tensors)
+                tensors.clear()  # on CPU they share the gathered storage: let it go with the gather, not a bucket later
+
     def _write_shards(self, weights: PolicyWeights, tmp: Path, path: Path) -> tuple[dict[str, str], Optional[str]]:
         """Write this rank's shards of `weights` into `tmp`: the tensor -> shard map and None, or what failed. Under
         ZeRO-3 every bucket is gathered on every rank (a collective), also after a failure here."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         durable = self._writes_durable()
-        written, error = {}, None
-        for index, bucket in enumerate(weights.buckets):
-            mine = shard_writer(index, world) == rank
-            if not mine and not weights.zero3:
-                continue
-            with weights.gathered(bucket, read=mine and error is None) as tensors:
-                if not tensors:
-                    continue
-                name = shard_name(index, len(weights.buckets))
-                try:
-                    write_shard(tmp / name, tensors, durable=durable)
-                    written.update(dict.fromkeys(tensors, name))
-                except Exception as err:  # noqa: BLE001 - SafetensorError, OSError, ...: the dump fails, cleanly
-                    error = describe_write_error(path, err, f"{name}, rank {rank}")
-                tensors.clear()  # on CPU they share the gathered storage: let it go with the gather, not a bucket later
-        return written, error
+        written, errors = {}, []
+
+        def write(index: int, tensors: dict[str, torch.Tensor]) -> None:
+            name = shard_name(index, len(weights.buckets))
+            try:
+                write_shard(tmp / name, tensors, durable=durable)
+                written.update(dict.fromkeys(tensors, name))
+            except Exception as err:  # noqa: BLE001 - SafetensorError, OSError, ...: the dump fails, cleanly
+                errors.append(describe_write_error(path, err, f"{name}, rank {rank}"))
+
+        self.walk(weights, lambda index: shard_writer(index, world) == rank and not errors, write)
+        return written, (errors[0] if errors else None)
 
     def _write_adapter(self, weights: AdapterWeights, tmp: Path, path: Path) -> tuple[dict[str, str], Optional[str]]:
         """The main process writes the adapter as one file (`ADAPTER_FILE`, what peft and SGLang load), its buckets
@@ -417,17 +485,21 @@ class WeightSync:
         self.push_all(targets, path, step)
         self.confirm(targets, path, step)
 
-    def confirm(self, targets: list[SyncTarget], path: Path, step: int) -> None:
+    def confirm(self, targets: list[SyncTarget], path: Optional[Path], step: int) -> None:
+        """Record that `targets` hold the policy of `step` (from the dump `path`, or pushed: None); the main process
+        logs it once the dump is sealed."""
         for target in targets:
             target.version, target.path, target.step = target.version_for(step), path, step
             if isinstance(target.client, ServerPool) and not target.adapter and not self.accelerator.is_main_process:
                 # another process's pool: what the main process's pool loaded is what its replicas must hold
-                target.client.expect_weights(str(path.resolve()), target.version, **target.reload_extra())
+                target.client.expect_weights(None if path is None else str(path.resolve()), target.version,
+                                             **target.reload_extra())
         if self.accelerator.is_main_process:
             confirmed = [(t.role, t.version, t.confirmed_by()) for t in targets]
             seal = self._in_background(self._seal_log_and_prune, step, path, confirmed)
-            self._seals = {p: f for p, f in self._seals.items() if not f.done()}
-            self._seals[path] = seal
+            if path is not None:
+                self._seals = {p: f for p, f in self._seals.items() if not f.done()}
+                self._seals[path] = seal
 
     def wait_durable(self) -> None:
         """Block until every confirmed dump so far is sealed and its sync logged; re-raises the first error of that
@@ -516,9 +588,10 @@ class WeightSync:
             return []
         return [p for p in self.sync_dir.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX):].isdigit()]
 
-    def _seal_log_and_prune(self, step: int, path: Path,
+    def _seal_log_and_prune(self, step: int, path: Optional[Path],
                             confirmed: list[tuple[str, Optional[str], Optional[list[str]]]]) -> None:
-        seal_weight_dir(path)  # on an error the sync stays unlogged; `wait_durable` raises it
+        if path is not None:  # (a send leaves no dump: its entry's path is null)
+            seal_weight_dir(path)  # on an error the sync stays unlogged; `wait_durable` raises it
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self._logged is None:  # a resumed run syncs its checkpoint's step again: the log names each step once
             lines = self.log_path.read_text().splitlines() if self.log_path.is_file() else []
@@ -527,7 +600,7 @@ class WeightSync:
             for role, version, replicas in confirmed:
                 if (step, role) not in self._logged:
                     self._logged.add((step, role))
-                    entry = {"step": step, "role": role, "path": str(path), "weight_version": version,
+                    entry = {"step": step, "role": role, "path": None if path is None else str(path), "weight_version": version,
                              "time": round(time.time(), 3)}
                     log.write(json.dumps(entry if replicas is None else {**entry, "replicas": replicas}) + "\n")
         self.prune()
@@ -540,3 +613,48 @@ class WeightSync:
         entries = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
         entries = [e for e in entries if e["role"] == role]
         return entries[-1] if entries else None
+
+
+@dataclass(frozen=True)
+class NetworkTransport:
+    """`sync.transport: distributed`: how the main process reaches the servers (`weight_broadcast.WeightBroadcast`)."""
+
+    backend: str = "auto"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    master_address: Optional[str] = None
+    port: int = 0
+
+
+class _Push:
+    """One send to a target, main process: the servers it goes to (a pool's replicas, bracketed by `begin_push` and
+    `end_push`; or the one server), and its outcome as a message."""
+
+    def __init__(self, target: SyncTarget, only: Optional[list[str]]):
+        self.target, self.pool = target, target.client if isinstance(target.client, ServerPool) else None
+        if self.pool is not None:
+            self.clients = self.pool.begin_push(only)
+        else:
+            self.clients = {target.client.base_url: target.client}
+        self._open = True
+
+    def cancel(self) -> None:
+        if self.pool is not None and self._open:
+            self._open = False
+            self.pool.end_push({}, "", whole=False)
+
+    def finish(self, outcomes: dict[str, Optional[ServerError]], version: str, whole: bool) -> Optional[str]:
+        """Record the outcomes (by URL); None, or why the target did not take the weights."""
+        role = self.target.role
+        by_name = {name: outcomes.get(client.base_url) for name, client in self.clients.items()}
+        if self.pool is None:
+            error = next(iter(by_name.values()), None)
+            return None if error is None else f"the {role} server did not take the new weights: {error}"
+        self._open = False
+        try:
+            self.pool.end_push(by_name, version, whole)
+        except ServerRequestError as err:
+            return f"the {role} servers did not take the new weights: {err}"
+        if whole and not any(error is None for error in by_name.values()):
+            failures = "; ".join(str(e) for e in by_name.values()) or "no replica to send them to"
+            return f"no {role} replica took the new weights: {failures}"
+        return None

@@ -44,10 +44,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 from urllib.parse import urlsplit
 
 import torch
@@ -203,11 +204,14 @@ class Broadcaster:
             self._send.send(message)
             return self.answer(message[0], deadline_s)
 
-    def answer(self, what: str, deadline_s: Optional[float] = None) -> Any:
-        """The child's next answer, within the deadline."""
+    def answer(self, what: str, deadline_s: Optional[float] = None, abort: Optional[Callable[[], str]] = None) -> Any:
+        """The child's next answer, within the deadline; `abort()` (polled) returning a message gives up at once."""
         limit = self.timeout_s + DEADLINE_MARGIN_S if deadline_s is None else deadline_s
+        end = time.monotonic() + limit
         try:
-            ready = self._recv.poll(limit)
+            while not (ready := self._recv.poll(min(0.2, max(0.0, end - time.monotonic())))):
+                if time.monotonic() >= end or (abort is not None and abort()):
+                    break
             reply = self._recv.recv() if ready else None
         except (EOFError, OSError):
             code = self.process.wait()
@@ -437,17 +441,18 @@ class WeightBroadcast:
                                          self.timeout_s, device, deadline_s=30.0)
             try:
                 body = init_weights_update_group_request(address, port, 1, world_size, server.group_name, self.backend)
-                with ThreadPoolExecutor(1) as thread:
-                    answer = thread.submit(self._post, server, "/init_weights_update_group", body)
-                    try:
-                        self.broadcaster.answer("forming the group")
-                    except WeightBroadcastError as err:
-                        detail = _answer_text(answer)
-                        raise WeightBroadcastError(
-                            f"could not form the weight-update group with {client.base_url} at {address}:{port} "
-                            f"({self.backend}) within {self.timeout_s:.0f} s: {detail or err}. The server must reach this "
-                            "address and port (sync.distributed_master_address, sync.distributed_port; a firewall?)") from None
-                    reply = answer.result()
+                thread = ThreadPoolExecutor(1, thread_name_prefix="open_r1_ext-init-group")
+                answer = thread.submit(self._post, server, "/init_weights_update_group", body)
+                thread.shutdown(wait=False)  # a server that never answers is not waited for past the deadline
+                try:
+                    self.broadcaster.answer("forming the group", abort=lambda: _refusal(answer))
+                except WeightBroadcastError as err:
+                    raise WeightBroadcastError(
+                        f"could not form the weight-update group with {client.base_url} at {address}:{port} "
+                        f"({self.backend}) within {self.timeout_s:.0f} s: {_refusal(answer) or err}. The server must "
+                        "reach this address and port (sync.distributed_master_address, sync.distributed_port; a "
+                        "firewall?)") from None
+                reply = _answer(answer, self.timeout_s + DEADLINE_MARGIN_S)
                 if not reply.get("success"):
                     raise WeightBroadcastError(f"{client.base_url} could not join the weight-update group at "
                                                f"{address}:{port}: {reply.get('message')}")
@@ -574,8 +579,8 @@ def _answer(future: Future, timeout: float) -> dict:
         return {"success": False, "message": f"no answer: {type(err).__name__} {err}"}
 
 
-def _answer_text(future: Future) -> str:
-    """What the server said to a group formation that did not complete (empty if it is still waiting)."""
+def _refusal(future: Future) -> str:
+    """What a server answered to a group formation it could not join (empty while it has not answered, or joined)."""
     if not future.done():
         return ""
     reply = _answer(future, 0)

@@ -592,6 +592,7 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
     _check_lora(recipe, problems)
     _check_values(recipe, problems)
     _check_servers(recipe, problems)
+    _check_transport(recipe, problems)
     _check_batch(recipe, problems)
     if not problems:
         try:
@@ -791,6 +792,25 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
     if soft and isinstance(host, ServerSpec) and host.engine != "builtin":
         problems.append(("sync.ref_model_mixup_alpha", f"{host.engine} reloads weights as they are and cannot mix old "
                                                        "and new (soft update); set 1.0, or host the reference on engine: builtin"))
+
+
+def _check_transport(recipe: Recipe, problems: list) -> None:
+    """`sync.transport: distributed`: a generation server that takes a broadcast (SGLang refuses one with
+    `dp_size > 1`), and no LoRA (its adapters stay on disk)."""
+    if recipe.setting("transport") != "distributed":
+        return
+    generation = recipe.servers.generation
+    if not isinstance(generation, ServerSpec):
+        problems.append(("sync.transport", "distributed sends the policy to the generation server, and generation: "
+                                           "local runs none: remove sync.transport"))
+    elif generation.engine == "sglang" and generation.dp_size > 1:
+        problems.append(("servers.generation.dp_size", f"{generation.dp_size} with sync.transport: distributed: SGLang "
+                                                       "refuses distributed weight updates with data parallelism; set "
+                                                       "dp_size 1 (replicas: N for more servers) or sync.transport: disk"))
+    if recipe.model.use_peft:
+        problems.append(("sync.transport", "distributed with model.use_peft: the syncs are LoRA adapters, which SGLang "
+                                           "loads from a path and which are small (about 1% of the model): they stay on "
+                                           "disk; remove sync.transport"))
 
 
 def _check_replicas(spec: ServerSpec, key: str, problems: list) -> None:

@@ -324,7 +324,7 @@ class WeightSync:
         if self._sender is None:
             network = self.network or NetworkTransport()
             device = self.accelerator.device
-            reported = [client.server_info().get("device") for client in clients.values()]
+            reported = [] if network.backend != "auto" else [_device_of(client) for client in clients.values()]
             backend = resolve_backend(network.backend, device, reported)
             self._sender = WeightBroadcast(backend, device if backend == "nccl" else torch.device("cpu"),
                                            network.timeout_s, network.master_address, network.port)
@@ -623,6 +623,14 @@ class NetworkTransport:
     timeout_s: float = DEFAULT_TIMEOUT_S
     master_address: Optional[str] = None
     port: int = 0
+
+
+def _device_of(client: SGLangClient) -> Optional[str]:
+    """The device a server says it runs on (`/server_info`), None if it does not say or does not answer."""
+    try:
+        return client.server_info().get("device")
+    except ServerError:
+        return None
 
 
 class _Push:

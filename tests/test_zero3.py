@@ -80,3 +80,21 @@ def test_rank_killed_mid_dump_publishes_nothing_and_the_next_run_resumes(tiny_mo
     assert [e["step"] for e in log][-2:] == [2, 3]
     check_manifest(weights / "step-3", checksums=True)
     restore_default_weights(server.url, tiny_model)
+
+
+def test_zero3_distributed_sync_sends_from_the_main_process_one_gathered_bucket_at_a_time(tiny_model, server, tmp_path):
+    """`transport: distributed` under ZeRO-3 on 2 processes: both gather each bucket (the dump's walk), only the main
+    process broadcasts them, and the server ends on exactly the final policy."""
+    result = launch(tiny_model, tmp_path, "distributed", server.url)
+    assert result.returncode == 0, result.stderr[-5000:]
+    main, other = (json.loads((tmp_path / f"zero3-{rank}.json").read_text()) for rank in (0, 1))
+    assert main["stage"] == 3 and main["broadcaster"] and not other["broadcaster"]
+    assert main["buckets"] > 4 and main["sent"] == list(range(main["buckets"])) * 2  # every bucket, every sync
+    assert other["sent"] == []
+    client = SGLangClient(server.url)
+    assert client.weight_version() == "2" and [p.name for p in (tmp_path / "weights").iterdir()] == ["step-99"]
+    sequences = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    sent = client.ref_logprobs(sequences)
+    client.update_weights_from_disk(main["final"], weight_version="final")
+    assert all(torch.equal(x, y) for x, y in zip(sent, client.ref_logprobs(sequences)))
+    restore_default_weights(server.url, tiny_model)

@@ -5,6 +5,10 @@ partitioned, weight dumps in buckets smaller than one layer. Each rank records t
     python -m tests.zero3_dump MODEL OUTPUT_DIR dump        one step at learning rate 0, then one dump
     python -m tests.zero3_dump MODEL OUTPUT_DIR train URL   3 steps against the server at URL, a checkpoint every
                                                             step, resuming from the last one when there is one
+    python -m tests.zero3_dump MODEL OUTPUT_DIR distributed URL  2 steps against the server at URL with
+                                                            `transport: distributed` (buckets of 20 kB), then a dump of
+                                                            the final policy; each rank counts its broadcasts in
+                                                            `zero3-<rank>.json`
     python -m tests.zero3_dump MODEL OUTPUT_DIR lora URL    a LoRA policy: 3 steps of async generation against the
                                                             server at URL (its adapters synced), then one more
                                                             adapter dump in buckets of 1 kB; rank 0 writes the
@@ -80,6 +84,25 @@ if mode == "dump":
     except weight_sync.WeightDumpError as err:
         failure = str(err)
     (output_dir / f"failed-{rank}.txt").write_text(failure)
+elif mode == "distributed":
+    from open_r1_ext import weight_broadcast
+
+    args = tiny_config(output_dir, max_steps=2, per_device_train_batch_size=2, deepspeed=zero3, beta=0.0,
+                       generation_url=sys.argv[4], bucket_mb=BUCKET_MB, transport="distributed", learning_rate=5e-3)
+    trainer = RemoteGRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    sent, send = [], weight_broadcast.WeightUpdate.send
+
+    def counting_send(self, index, tensors):
+        sent.append(index)
+        send(self, index, tensors)
+
+    weight_broadcast.WeightUpdate.send = counting_send
+    trainer.train()
+    final = trainer.weight_sync.dump(trainer.model, 99)  # the whole final policy, as the dump's walk gathers it
+    buckets = len(weight_sync.PolicyWeights(trainer.accelerator, trainer.model, trainer.weight_sync.bucket_bytes).buckets)
+    report = {"sent": sent, "buckets": buckets, "broadcaster": trainer.weight_sync._sender is not None,
+              "stage": trainer.model_wrapped.zero_optimization_stage(), "final": str(final)}
+    (output_dir / f"zero3-{rank}.json").write_text(json.dumps(report))
 elif mode == "lora":
     import deepspeed
     import peft

@@ -24,6 +24,7 @@ def imported_by(module: str) -> set[str]:
     "open_r1_ext.sglang_client",
     "open_r1_ext.server_pool",
     "open_r1_ext.openai_client",
+    "open_r1_ext.weight_broadcast",
 ])
 def test_server_side_and_shared_modules_import_no_trainer_package(module):
     assert imported_by(module).isdisjoint(TRAINER_ONLY)

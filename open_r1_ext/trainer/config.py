@@ -34,8 +34,12 @@ class RemoteGRPOConfig(GRPOConfig):
         ref_model_url (`str` or `None`, *optional*, defaults to `None`):
             Base URL of an SGLang-protocol server (SGLang, or `python -m open_r1_ext.server`) hosting the reference
             model. When set and `beta > 0`, the trainer builds no reference model: per-token reference log-probs of
-            prompt + completion come from the server. SGLang returns these log-probs at temperature 1 (unscaled);
-            TRL scales its local reference by `temperature`, so the two agree exactly at `temperature=1.0`.
+            prompt + completion come from the server. SGLang returns these log-probs at temperature 1 (never divided
+            by `temperature`), so the KL term compares the models at temperature 1 at any `temperature`: the
+            policy's side of it is the policy's log-probs at temperature 1 (from the loss's own forward), and a local
+            reference (no `ref_model_url`) is scored at temperature 1 too; the policy-gradient ratio keeps TRL's
+            tempered log-probs. At `temperature=1.0` this is TRL's KL exactly; the KL is 0 at identical weights for
+            every temperature.
         prefetch_reference (`bool`, *optional*, defaults to `True`):
             Send a batch's reference request the moment its completions exist (right after generation; with
             `async_generation`, on the rollout thread), so the server scores it while the trainer computes its own

@@ -10,6 +10,7 @@ from typing import Optional, Union
 
 from trl import GRPOConfig
 
+from open_r1_ext.protocol import completions_field
 from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, sampling_kwargs
 from open_r1_ext.trainer.weight_sync import DEFAULT_BUCKET_MB
 
@@ -271,6 +272,12 @@ class RemoteGRPOConfig(GRPOConfig):
             raise ValueError("use_vllm=True and generation_url are exclusive: generation happens on one backend")
         if self.generation_on_server and self.generation_kwargs:
             self.generation_kwargs = sampling_kwargs(self.generation_kwargs)
+            if self.generation_backend == "openai":
+                for key in self.generation_kwargs:
+                    if completions_field(key) is None:
+                        raise ValueError(f"generation_kwargs.{key}: SGLang's /v1/completions has no such field, so "
+                                         "generation_backend='openai' cannot send it; drop it, or use "
+                                         "generation_backend='sglang'")
         if self.request_timeout <= 0 or self.server_wait_timeout <= 0:
             raise ValueError("request_timeout and server_wait_timeout must be positive (seconds)")
         if self.max_retries < 0:

@@ -177,6 +177,9 @@ class RemoteGRPOTrainer(GRPOTrainer):
                     "--lora-target-modules all (or the adapter's modules)")
         if self.remote_generation is not None:
             self.remote_generation.read_context_length(self.model.config)
+            self.remote_generation.check_sampling()
+            if not self.remote_generation.gives_sampling_logprobs:
+                self._without_sampling_logprobs()
 
     def _time_steps(self, remote_reference: bool) -> None:
         """Log each step's parts (`step_timing.py`): those this run can have. Weight sync is timed around the calls
@@ -343,8 +346,20 @@ class RemoteGRPOTrainer(GRPOTrainer):
         completion_ids = [c.token_ids for c in completions]
         logprobs = [c.logprobs for c in completions] if all(c.logprobs is not None for c in completions) else None
         if logprobs is None:
-            self._use_importance_sampling(False)  # no sampling log-probs from this server: nothing to correct with
+            self._without_sampling_logprobs()
         return completion_ids, logprobs
+
+    def _without_sampling_logprobs(self) -> None:
+        """The generation server gave no sampling log-probs: TRL's importance-sampling correction, which compares them
+        with the trainer's, cannot run. It is switched off for the rest of the run, said once."""
+        if self.use_vllm:
+            logger.warning(
+                "The generation server at %s gives no sampling log-probs: TRL's importance-sampling correction "
+                "(vllm_importance_sampling_correction) cannot run and is off for the rest of this run%s.",
+                self.remote_generation.client.base_url,
+                "; the batches async_generation samples ahead are trained without correction" if self.args.async_generation
+                else "")
+        self._use_importance_sampling(False)
 
     def _generate(self, prompts):
         if self.remote_generation is not None and self.rollout_func is not None:

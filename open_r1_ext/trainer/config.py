@@ -56,13 +56,17 @@ class RemoteGRPOConfig(GRPOConfig):
             prompt, each with its own `sampling_seed`.
         generation_backend (`str`, *optional*, defaults to `"sglang"`):
             Protocol of `generation_url`: `"sglang"` (native `/generate`, token ids in and out, with sampling
-            log-probs) or `"openai"` (any OpenAI-compatible `/v1/completions` server).
+            log-probs) or `"openai"` (any OpenAI-compatible `/v1/completions` server, probed at start-up: the
+            sampling settings go out under their `/v1/completions` names, those the server cannot be sent are refused
+            before training; SGLang's `metadata.weight_version` is each completion's weight version; an aborted
+            choice is asked again; without sampling log-probs the importance-sampling correction is off, said once).
         generation_model_name (`str` or `None`, *optional*, defaults to `None`):
             The `model` field sent to an OpenAI-compatible server (`generation_backend="openai"`); defaults to the
             first model the server lists at `/v1/models`.
 
         With `generation_url`, TRL's `generation_kwargs` are SGLang `sampling_params`: checked here against SGLang's
-        names (vLLM's `min_tokens` becomes `min_new_tokens`; an unknown key is refused with the list of valid ones).
+        names (vLLM's `min_tokens` becomes `min_new_tokens`; an unknown key is refused with the list of valid ones);
+        with `generation_backend="openai"`, also a key SGLang's `/v1/completions` has no field for.
 
         > Replica pools
 

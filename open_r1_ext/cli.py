@@ -47,7 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Each recipe as the launchers would take it (schema, values, then the job plan); a problem is a `FILE: key:
     message` line, never a traceback."""
-    from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.config.recipe import RecipeError, load_recipe
     from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
 
     failed = 0
@@ -74,7 +74,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_new_recipe(args: argparse.Namespace) -> int:
     """Copy a recipe for another model: the model id and its short name (output dir, sync dir, job name) change;
     comments and everything else stay, for the user to adjust (GPU counts, batch sizes)."""
-    from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.config.recipe import RecipeError, load_recipe
 
     source = Path(args.source)
     try:
@@ -104,9 +104,9 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from open_r1_ext.launch.submitit_launcher import EXECUTORS, describe_launch, launch
-    from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.config.recipe import RecipeError, load_recipe
     from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
+    from open_r1_ext.launch.submitit_launcher import EXECUTORS, describe_launch, launch
 
     try:
         recipe = load_recipe(args.recipe, args.set)
@@ -124,8 +124,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_add_server(args: argparse.Namespace) -> int:
     """One more server replica for a running run (an sbatch job that joins the trainer's pool once healthy)."""
+    from open_r1_ext.config.recipe import RecipeError
     from open_r1_ext.launch.jobs import LaunchError, add_server
-    from open_r1_ext.launch.recipe import RecipeError
     from open_r1_ext.launch.slurm_plan import PlanError
 
     try:

@@ -26,8 +26,8 @@ from typing import Iterator, Optional, Union
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from open_r1_ext.config.recipe import Recipe, RecipeError, ServerSpec, load_recipe
 from open_r1_ext.launch.jobs import SIGTERM_EXIT
-from open_r1_ext.launch.recipe import Recipe, RecipeError, ServerSpec, load_recipe
 from open_r1_ext.launch.run_key import key_file, read_run_key, write_run_key
 from open_r1_ext.launch.run_status import METRICS_FILE
 from open_r1_ext.sglang_client import ServerError
@@ -117,7 +117,7 @@ def save_traceback(recipe: Recipe) -> Path:
 
 
 def build_rewards(recipe: Recipe) -> list:
-    from open_r1_ext.trainer.rewards import resolve_reward
+    from open_r1_ext.rewards import resolve_reward
 
     funcs = []
     for spec in recipe.rewards:

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import yaml
 
-from open_r1_ext.launch.recipe import Recipe
+from open_r1_ext.config.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 NO_KEY = "none"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from open_r1_ext.launch.recipe import Recipe, Resources, ServerSpec
+from open_r1_ext.config.recipe import Recipe, Resources, ServerSpec
 from open_r1_ext.launch.run_key import key_file, uses_key
 
 SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"

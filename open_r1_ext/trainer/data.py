@@ -10,7 +10,7 @@ import csv
 import json
 from pathlib import Path
 
-from open_r1_ext.launch.recipe import DataSection, is_local_path
+from open_r1_ext.config.recipe import DataSection, is_local_path
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 

@@ -325,7 +325,7 @@ class Recipe(Section):
         (`launch.run_key.read_run_key`) and further server settings (`servers`: the replica pools' address directories
         and min replicas, `train.pool_settings`) filled in. `on_this_machine=False` (validation on a login node) leaves
         out the settings transformers checks against the local hardware (bf16, fp16, tf32)."""
-        from open_r1_ext.trainer.config import RemoteGRPOConfig
+        from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 
         kwargs = dict(self.trainer, **self.sync)
         if not on_this_machine:
@@ -478,7 +478,7 @@ def _build_recipe(raw: dict, problems: list) -> Optional[Recipe]:
 @functools.cache
 def _config_defaults() -> dict[str, Any]:
     """Every `RemoteGRPOConfig` field's default (TRL's for TRL's fields): the one place they live."""
-    from open_r1_ext.trainer.config import RemoteGRPOConfig
+    from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 
     return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             for f in dataclasses.fields(RemoteGRPOConfig) if f.init}
@@ -488,7 +488,7 @@ def _config_defaults() -> dict[str, Any]:
 def _config_sections() -> dict[str, type[BaseModel]]:
     """`trainer:` and `sync:` as models of `RemoteGRPOConfig`'s fields: names and types are checked here, values by
     the config itself. `sync:` holds the fields the config tags `section: sync`; `trainer:` all the others."""
-    from open_r1_ext.trainer.config import RemoteGRPOConfig
+    from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 
     hints = typing.get_type_hints(RemoteGRPOConfig)
     fields = [f for f in dataclasses.fields(RemoteGRPOConfig) if f.init]
@@ -614,7 +614,7 @@ REWARD_REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  
 
 def _check_rewards(recipe: Recipe, problems: list) -> None:
     """Each reward is a built-in or a `package.module:function` that imports (whatever the module raises)."""
-    from open_r1_ext.trainer.rewards import BUILTIN, resolve_reward
+    from open_r1_ext.rewards import BUILTIN, resolve_reward
 
     for i, reward in enumerate(recipe.rewards):
         key = f"rewards[{i}].name"

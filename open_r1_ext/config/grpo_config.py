@@ -11,7 +11,7 @@ from typing import Optional, Union
 from trl import GRPOConfig
 
 from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, sampling_kwargs
-from open_r1_ext.trainer.weight_sync import DEFAULT_BUCKET_MB
+from open_r1_ext.weight_files import DEFAULT_BUCKET_MB
 
 GENERATION_BACKENDS = ("sglang", "openai")
 SYNC = {"section": "sync"}  # field metadata: the field belongs in a recipe's `sync:` section (open_r1_ext.config.recipe)

@@ -23,11 +23,13 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, create_model,
                       field_validator, model_validator)
 
+from open_r1_ext.config.data_files import LOCAL_FORMATS, local_columns
 from open_r1_ext.protocol import DTYPE_NAMES
 
 DType = Literal[DTYPE_NAMES]
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 REFERENCE_PORT_OFFSET = 1  # a reference server listens on the generation server's port + this, unless its spec says
+NO_KEY = "none"  # servers.api_key: none: the servers started for the run take no API key
 
 
 class RecipeError(ValueError):
@@ -222,6 +224,12 @@ class Servers(Section):
             base = self.generation.port if isinstance(self.generation, ServerSpec) else ServerSpec.model_fields["port"].default
             self.reference.port = base + REFERENCE_PORT_OFFSET
         return self
+
+    @property
+    def uses_key(self) -> bool:
+        """Whether the run's servers take an API key: false only for `api_key: none` (unset: a key per run, written
+        by the launchers, `launch/run_key.py`)."""
+        return self.api_key is None or self.api_key.lower() != NO_KEY
 
     def specs(self) -> dict[str, ServerSpec]:
         """The roles on servers of their own: `{"generation": spec, "reference": spec}`, or fewer."""
@@ -678,8 +686,6 @@ def _check_values(recipe: Recipe, problems: list) -> None:
 
 def _check_data(data: DataSection, problems: list) -> None:
     """A local data file: a type the loader reads, holding `prompt_column` (hub datasets are checked when loaded)."""
-    from open_r1_ext.trainer.data import LOCAL_FORMATS, local_columns
-
     path = Path(data.dataset).expanduser()
     if not is_local_path(data.dataset) or not path.exists():
         return
@@ -719,8 +725,6 @@ def _check_context(recipe: Recipe, problems: list) -> None:
 
 def _check_servers(recipe: Recipe, problems: list) -> None:
     """What each engine can do, and where the reference can live; each message names the fix."""
-    from open_r1_ext.launch.run_key import uses_key
-
     generation, reference = recipe.servers.generation, recipe.servers.reference
     beta = recipe.setting("beta")
     for role, spec in recipe.servers.specs().items():
@@ -730,7 +734,7 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
             problems.append((f"{key}.url", f"{spec.url!r}: give a base URL such as http://node-3:30000"))
         if not 1 <= spec.port <= 65535:  # a reference server's default port: the generation server's + 1
             problems.append((f"{key}.port", f"{spec.port} is outside 1-65535; set servers.{role}.port"))
-        flags = {"--api-key", "--config"} if uses_key(recipe) else {"--api-key"}  # --config: the run's key file
+        flags = {"--api-key", "--config"} if recipe.servers.uses_key else {"--api-key"}  # --config: the run's key file
         if spec.started and flags & {str(a).split("=")[0] for a in spec.extra_args}:
             problems.append((f"{key}.extra_args", "the launchers give a server the run's API key in an owner-only file "
                                                   "(--config FILE) and keep it off the command line, where ps shows it: "

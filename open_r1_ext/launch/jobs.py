@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
+from open_r1_ext.config.arguments import add_recipe_arguments
 from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, SERVER_ROLES, SUBMITIT, TRAINER,
                                            RunFiles, SlurmPlan, argv, role_var)
 from open_r1_ext.launch.local_server import die_with_parent, free_port
@@ -669,7 +670,6 @@ def add_server(run_dir: Path, role: str = SERVER, index: int = 0, echo: Echo = l
 
 # ---------------------------------------------------------------------------------- entry point
 def main(cli_args: Optional[list[str]] = None) -> int:
-    from open_r1_ext.cli import add_recipe_arguments
     from open_r1_ext.config.recipe import RecipeError, load_recipe
     from open_r1_ext.launch.slurm_plan import PlanError
 

@@ -10,7 +10,7 @@ of rooms, top to bottom (`LAYERS`):
     entry    cli.py, train.py                                   the commands a user runs
     rooms    server/, trainer/, launch/                          one room per side
     schema   config/                                            the recipe and the configs it becomes
-    shared   protocol, weight_files, sglang_client, openai_client, server_pool, rewards, and the package root
+    shared   protocol, weight_files, sglang_client, openai_client, server_pool, rewards, wait_progress, and the root
              (`__init__.py`: the version and the lazy public names, which are not imports of its own modules)
 
 Allowed: an import of a module in a lower layer, or of a module in the same room. A *back-arrow* is every other
@@ -84,7 +84,8 @@ LAYERS = (  # top to bottom: {room: modules and packages in it}
     {"server": ("open_r1_ext.server",), "trainer": ("open_r1_ext.trainer",), "launch": ("open_r1_ext.launch",)},
     {"schema": ("open_r1_ext.config",)},
     {"shared": ("open_r1_ext", "open_r1_ext.protocol", "open_r1_ext.weight_files", "open_r1_ext.sglang_client",
-                "open_r1_ext.openai_client", "open_r1_ext.server_pool", "open_r1_ext.rewards")},
+                "open_r1_ext.openai_client", "open_r1_ext.server_pool", "open_r1_ext.rewards",
+                "open_r1_ext.wait_progress")},
 )
 
 

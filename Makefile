@@ -2,9 +2,10 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+SGLANG_VENV := .venv-sglang
 TINY_MODEL := runs/tiny-model
 
-.PHONY: demo test venv tiny-model clean
+.PHONY: demo test venv sglang-venv tiny-model clean
 
 venv: $(VENV)/.installed
 
@@ -13,6 +14,13 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $@
+
+# Real SGLang 0.5.23 for the CPU, in a venv of its own (its pins differ from the project's): the tests' second server.
+sglang-venv: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: tools/sglang_cpu/install.sh tools/sglang_cpu/requirements.txt
+	bash tools/sglang_cpu/install.sh $(SGLANG_VENV)
 	touch $@
 
 tiny-model: $(TINY_MODEL)/config.json
@@ -28,8 +36,9 @@ demo: venv tiny-model
 	@echo "run directory: runs/demo  (look at it: .venv/bin/open-r1-ext status runs/demo)"
 	@echo "plot:          runs/demo/plot.png"
 
-# Two pytest-xdist workers: the SLURM tests (one group, tests/conftest.py) on one, the rest beside them.
-test: venv tiny-model
+# Two pytest-xdist workers: the SLURM tests (one group, tests/conftest.py) on one, the rest beside them. The tests
+# against real SGLang run its server with $(SGLANG_VENV)'s interpreter (tests/conftest.py).
+test: venv tiny-model sglang-venv
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 clean:

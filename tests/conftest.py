@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny models built locally (no download), built-in server processes on free ports, the local
-SLURM cluster and a tiny run on it."""
+"""Shared fixtures: tiny models built locally (no download), built-in and real SGLang server processes on free ports,
+the local SLURM cluster and a tiny run on it."""
 
 import os
 import signal
@@ -12,7 +12,7 @@ import torch
 
 from tools.make_tiny_model import make_tiny_model
 
-from open_r1_ext.launch.local_server import BuiltinServer, free_port
+from open_r1_ext.launch.local_server import BuiltinServer, SGLangServer, free_port
 from tests.slurm_helpers import REPO, TinyRun, fake_slurm_commands
 
 # One torch thread per process: the tests run trainers and servers side by side on 2 cores, and OpenMP pools that
@@ -42,6 +42,29 @@ def server(tiny_model, tmp_path_factory):
     (`--enable-deterministic-inference`)."""
     log = tmp_path_factory.mktemp("server-log") / "server.log"
     with BuiltinServer(str(tiny_model), log_path=str(log), deterministic=True) as srv:
+        yield srv
+
+
+SGLANG_PYTHON_ENV = "OPEN_R1_EXT_SGLANG_PYTHON"  # another venv's interpreter with SGLang; default: the repo's .venv-sglang
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """The interpreter of the venv that has real SGLang 0.5.23 for the CPU (`make sglang-venv`, which `make test`
+    runs first). Without it the tests against real SGLang fail, naming the fix: they are never skipped."""
+    python = os.environ.get(SGLANG_PYTHON_ENV) or str(REPO / ".venv-sglang" / "bin" / "python")
+    assert Path(python).is_file(), (f"no SGLang interpreter at {python}: run `make sglang-venv` (or set "
+                                    f"{SGLANG_PYTHON_ENV} to the python of a venv made by tools/sglang_cpu/install.sh)")
+    return python
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tiny_model, sglang_python, tmp_path_factory):
+    """Real SGLang on the CPU serving the tiny model, shared by a test module. SGLang's CPU backend has no
+    deterministic mode (`--enable-deterministic-inference` needs a GPU attention backend), so it ignores
+    `sampling_seed`; `--random-seed 0` makes a fresh server's sequence of samples repeatable."""
+    log = tmp_path_factory.mktemp("sglang-log") / "sglang.log"
+    with SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=("--random-seed", "0")) as srv:
         yield srv
 
 

@@ -1,6 +1,8 @@
-"""Start and stop a built-in server as a child process, on a free port, with its log in a file.
+"""Start and stop a server as a child process, on a free port, with its log in a file: the built-in server, or real
+SGLang on this machine's CPU.
 
-Used by `make demo`, the local launcher and the tests: `with BuiltinServer(model_path) as server: server.url`.
+Used by `make demo`, the local launcher and the tests: `with BuiltinServer(model_path) as server: server.url`,
+`with SGLangServer(model_path, python=".venv-sglang/bin/python") as server: ...`.
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class BuiltinServer:
-    """`python -m open_r1_ext.server` in a subprocess; `start()` returns once `/health` answers."""
+class LocalServer:
+    """A server process on this machine; `start()` returns once `/health` answers. Subclasses give its `command()`,
+    its `env` and its `name` (for messages)."""
+
+    name = "server"
+    env: dict[str, str] = {}
 
     def __init__(
         self,
@@ -42,14 +48,12 @@ class BuiltinServer:
         log_path: Optional[str] = None,
         extra_args: tuple[str, ...] = (),
         startup_timeout: float = 120.0,
-        deterministic: bool = False,
     ):
         self.model_path = str(model_path)
         self.host = host
         self.port = port or free_port(host)
         self.log_path = Path(log_path) if log_path else None
-        # `--enable-deterministic-inference`: the server honours `sampling_seed` (seeded samples are reproducible)
-        self.extra_args = tuple(extra_args) + (("--enable-deterministic-inference",) if deterministic else ())
+        self.extra_args = tuple(extra_args)
         self.startup_timeout = startup_timeout
         self.process: Optional[subprocess.Popen] = None
 
@@ -58,29 +62,28 @@ class BuiltinServer:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "open_r1_ext.server", "--model-path", self.model_path,
-                "--host", self.host, "--port", str(self.port), "--log-level", "warning", *self.extra_args]
+        raise NotImplementedError
 
     def start(self) -> "BuiltinServer":
         """Start the server and wait for /health. Started from the main thread, the server gets SIGTERM when this
         process dies, however it dies (even SIGKILL): an embedded server never outlives its trainer. (From another
         thread it would die with that thread, so there it is left to `stop()`.)"""
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         on_main_thread = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                         preexec_fn=die_with_parent if on_main_thread else None)
         client = SGLangClient(self.url)
         deadline = time.monotonic() + self.startup_timeout
         where = f"; see {self.log_path}" if self.log_path else ""
-        with WaitProgress(f"the built-in server at {self.url}/health to start{where}", self.startup_timeout) as waiting:
+        with WaitProgress(f"the {self.name} at {self.url}/health to start{where}", self.startup_timeout) as waiting:
             while not client.is_healthy(timeout=2.0):
                 code = self.process.poll()
                 if code is not None:
-                    raise ServerError(f"built-in server for {self.model_path} exited with code {code} while starting{where}")
+                    raise ServerError(f"{self.name} for {self.model_path} exited with code {code} while starting{where}")
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise ServerError(f"built-in server for {self.model_path} not healthy after {self.startup_timeout:.0f} s{where}")
+                    raise ServerError(f"{self.name} for {self.model_path} not healthy after {self.startup_timeout:.0f} s{where}")
                 time.sleep(0.25)
                 waiting.update()
         return self
@@ -95,8 +98,52 @@ class BuiltinServer:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
-    def __enter__(self) -> "BuiltinServer":
+    def __enter__(self) -> "LocalServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class BuiltinServer(LocalServer):
+    """`python -m open_r1_ext.server`; `deterministic` adds `--enable-deterministic-inference` (the server then
+    honours `sampling_seed`: seeded samples are reproducible)."""
+
+    name = "built-in server"
+
+    def __init__(self, model_path: str, *args, deterministic: bool = False, **kwargs):
+        super().__init__(model_path, *args, **kwargs)
+        self.extra_args += ("--enable-deterministic-inference",) if deterministic else ()
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "open_r1_ext.server", "--model-path", self.model_path,
+                "--host", self.host, "--port", str(self.port), "--log-level", "warning", *self.extra_args]
+
+
+# SGLang 0.5.23 on a CPU: the environment and flags it needs there (see the README's "SGLang on a CPU").
+SGLANG_CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}  # without it SGLang does not treat the machine as a CPU platform
+SGLANG_CPU_MAX_TOTAL_TOKENS = 8192  # KV-cache tokens; unbounded, SGLang sizes the cache from free RAM (~15 GB)
+
+
+def sglang_cpu_args(max_total_tokens: int = SGLANG_CPU_MAX_TOTAL_TOKENS) -> list[str]:
+    """The flags that run SGLang on a CPU: torch-native attention (the only CPU backend without Intel AMX) and a
+    bounded KV cache."""
+    return ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens)]
+
+
+class SGLangServer(LocalServer):
+    """Real SGLang (`python -m sglang.launch_server`) on this machine's CPU, run by `python`: the interpreter of a
+    venv that has SGLang (its pins differ from this project's; `make sglang-venv` builds `.venv-sglang`). For tests and
+    small models. It takes 15-35 s to start and stops within ~10 s of SIGTERM."""
+
+    name = "SGLang server"
+    env = SGLANG_CPU_ENV
+
+    def __init__(self, model_path: str, *args, python: str, max_total_tokens: int = SGLANG_CPU_MAX_TOTAL_TOKENS,
+                 startup_timeout: float = 240.0, **kwargs):
+        super().__init__(model_path, *args, startup_timeout=startup_timeout, **kwargs)
+        self.python, self.max_total_tokens = str(python), max_total_tokens
+
+    def command(self) -> list[str]:
+        return [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", self.host,
+                "--port", str(self.port), *sglang_cpu_args(self.max_total_tokens), *self.extra_args]

@@ -7,11 +7,12 @@ Arrows (module imports, measured on the source: every `import` and `from ... imp
 functions and `if TYPE_CHECKING:` blocks too, since a lazy import is still a dependency). The package is four layers
 of rooms, top to bottom (`LAYERS`):
 
-    entry    cli.py, train.py                                   the commands a user runs
-    rooms    server/, trainer/, launch/                          one room per side
-    schema   config/                                            the recipe and the configs it becomes
-    shared   protocol, weight_files, sglang_client, openai_client, server_pool, rewards, wait_progress, and the root
-             (`__init__.py`: the version and the lazy public names, which are not imports of its own modules)
+    entry    cli.py, train.py                           the commands a user runs
+    rooms    server/, trainer/, launch/                 one room per side
+    schema   config/                                    the recipe and the configs it becomes
+    shared   protocol, weight_files, sglang_client, openai_client, server_pool, rewards, wait_progress, and the
+             package root (`__init__.py`: the version and the lazy public names; a module's `from open_r1_ext import
+             RemoteGRPOTrainer` counts as an import of the module the name comes from)
 
 Allowed: an import of a module in a lower layer, or of a module in the same room. A *back-arrow* is every other
 import: up to a higher layer (the schema importing the trainer, a room importing an entry point) or across to

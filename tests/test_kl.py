@@ -49,6 +49,17 @@ def test_kl_at_temperature_07_is_zero_at_identical_weights_and_a_local_reference
     assert logged(remote, "loss") == pytest.approx(logged(local, "loss"), abs=1e-5)
 
 
+def test_a_batch_trained_twice_at_learning_rate_0_keeps_kl_0(tiny_model, server, tmp_path):
+    """`num_iterations: 2` trains each generation batch twice: the loss puts the reference back in the batch as it was
+    collected (prefetched from the server), so the second pass shifts it once, not twice. At learning rate 0 the
+    policy stays the reference: KL 0 at every step."""
+    args = tiny_config(tmp_path, temperature=0.7, max_steps=4, num_iterations=2, learning_rate=0.0,
+                       ref_model_url=f"{server.url}/ref")
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    trainer.train()
+    assert logged(trainer, "kl") == pytest.approx([0.0] * 4, abs=1e-9)
+
+
 def completion_logps(model, inputs, temperatures) -> list[torch.Tensor]:
     """The policy's log-probs of the completion tokens at each temperature, by one plain forward of the model."""
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)

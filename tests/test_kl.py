@@ -7,7 +7,6 @@ Real SGLang as the reference: tests/test_real_sglang_training.py."""
 import peft
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
 from open_r1_ext import RemoteGRPOTrainer

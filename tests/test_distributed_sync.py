@@ -21,10 +21,10 @@ from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.local_server import BuiltinServer, free_port
-from open_r1_ext.launch.recipe import RecipeError, load_recipe
+from open_r1_ext.config.recipe import RecipeError, load_recipe
 from open_r1_ext.protocol import init_weights_update_group_request, update_weights_from_distributed_request
 from open_r1_ext.sglang_client import SGLangClient
-from open_r1_ext.trainer.config import RemoteGRPOConfig
+from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext import weight_broadcast
 from open_r1_ext.weight_broadcast import Broadcaster, WeightBroadcast, WeightUpdate, resolve_backend
 from tests.fake_sglang import FakeSGLang

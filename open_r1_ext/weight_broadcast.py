@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 
 logger = logging.getLogger(__name__)
@@ -196,11 +197,16 @@ class Broadcaster:
         self._send, self._recv = Connection(from_parent, readable=False), Connection(to_parent, writable=False)
         self.buffer, self.groups = None, set()
 
-    def call(self, *message: Any, deadline_s: Optional[float] = None) -> Any:
-        """Send `message`, return the child's answer (raising its error as `WeightBroadcastError`)."""
+    def start(self) -> None:
+        """Start the child process unless it runs (every call does)."""
         with self.lock:
             if self.process is None or self.process.poll() is not None:
                 self._start()
+
+    def call(self, *message: Any, deadline_s: Optional[float] = None) -> Any:
+        """Send `message`, return the child's answer (raising its error as `WeightBroadcastError`)."""
+        with self.lock:
+            self.start()
             self._send.send(message)
             return self.answer(message[0], deadline_s)
 
@@ -229,8 +235,7 @@ class Broadcaster:
     def ensure_buffer(self, nbytes: int) -> torch.Tensor:
         """The shared buffer, at least `nbytes` long (a new one is handed to the child when it is smaller)."""
         with self.lock:
-            if self.process is None or self.process.poll() is not None:
-                self._start()
+            self.start()
             if self.buffer is None or self.buffer.numel() < nbytes:
                 size = max(nbytes, 1 << 20)
                 self.buffer = None
@@ -411,9 +416,8 @@ class WeightBroadcast:
                 raise ServerRequestError(
                     f"{client.base_url} runs dp_size {dp_size}: SGLang refuses distributed weight updates with data "
                     "parallelism; set sync.transport: disk, or serve with dp_size 1 (replicas: N for more servers)", 400)
-        formed = server.group_name in self.broadcaster.groups  # (a killed broadcaster took every group with it)
-        if not formed or client.weight_version() != server.version:  # restarted, or stopped half-way: a new group
-            self._form(server)
+        if server.group_name not in self.broadcaster.groups or _lost_group(client.weight_version(), server.version):
+            self._form(server)  # (a killed broadcaster took every group with it)
         answer = self._post(server, "/begin_weight_update", {})
         if not answer.get("success"):
             if "already open" not in str(answer.get("message")):
@@ -585,6 +589,13 @@ def _refusal(future: Future) -> str:
         return ""
     reply = _answer(future, 0)
     return "" if reply.get("success") else str(reply.get("message"))
+
+
+def _lost_group(reported: Optional[str], sent: Optional[str]) -> bool:
+    """Whether a server's weight version says it no longer holds the group the trainer formed with it: it restarted
+    (its start-up version) or an update stopped half-way. (Weights another client loaded leave the group alone; a
+    restart with a `--weight-version` of its own fails its next broadcast at once, and the group is formed again.)"""
+    return reported != sent and (reported in (None, DEFAULT_WEIGHT_VERSION) or str(reported).endswith(PARTIAL))
 
 
 def address_towards(url: str) -> str:

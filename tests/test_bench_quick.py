@@ -77,6 +77,15 @@ def test_bench_sync_quick_writes_json(tmp_path):
                                                                     "adapter_s", "merged_s", "seconds_ratio")])
     assert figures["sync.lora.adapter_bytes"] < figures["sync.lora.merged_bytes"]
     assert isinstance(figures["sync.lora.bytes_met"], bool) and isinstance(figures["sync.lora.seconds_met"], bool)
+    # over the network (issue #22): nothing written to the sync directory, the disk rows beside it
+    sides = ("disk_one", "disk_one_cold", "disk_two", "distributed_one", "distributed_two", "spanning_two")
+    assert_finite_positive(figures, [*(f"sync.distributed.{side}_s" for side in sides), "sync.distributed.vs_disk",
+                                     "sync.distributed.two_vs_one", "sync.distributed.spanning_vs_per_server",
+                                     "sync.distributed.broadcast_bytes_per_s",
+                                     "sync.distributed.zero3.bucket_eighth.peak_extra_fraction"])
+    assert all(figures[f"sync.distributed.{side}_bytes_written"] == 0 for side in sides[3:])
+    assert all(figures[f"sync.distributed.{side}_bytes_written"] > 0 for side in sides[:3])
+    assert figures["sync.distributed.bytes_met"] is True and isinstance(figures["sync.distributed.seconds_met"], bool)
 
 
 def test_bench_server_quick_writes_json(tmp_path):

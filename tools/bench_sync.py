@@ -26,6 +26,14 @@ LoRA (r=16 on all linear layers, its B matrices made non-zero as after training)
 of the same policy (dump + `/update_weights_from_disk`): bytes written and seconds per sync (targets <= 5% of the
 bytes, <= 20% of the time), alternating, medians.
 
+Over the network (`sync.transport: distributed`, issue #22; a second built-in server beside the first): seconds and
+bytes written to the sync directory per sync of the same policy through `WeightSync`, to one replica and to a pool
+of two, through the disk (dump + reload; also with the dump fsynced and dropped from the page cache before the
+reload, so the server reads it from the disk: here the page cache makes the disk path cheap) and over the network
+(gloo, flattened buckets, one group per server), and one group spanning both replicas (the topology not chosen),
+in rotated rounds, medians (targets: 0 bytes; network / disk <= 1; two replicas / one <= 1.2); under ZeRO-3, the
+peak extra memory of a send per rank (its shared buffer included). Keys `sync.distributed.*`.
+
 Target: ours / bare <= 1.3. Each part of ours is reported (save, reload; the reload's steps are replayed in this
 process on the same files to split it; the seal's checksums and fsync), with the throughput of other checksums on
 the dump and what-if ratios (the checksums, or the whole seal, on the critical path before the rename; sha256
@@ -58,8 +66,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,14 +80,19 @@ import xxhash
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
+from bench_common import header, machine_facts, markdown_table, model_dir, rounds, verdict, write_json  # noqa: E402
 
-from open_r1_ext import weight_files  # noqa: E402
+from open_r1_ext import weight_broadcast, weight_files  # noqa: E402
+from open_r1_ext.protocol import init_weights_update_group_request, update_weights_from_distributed_request  # noqa: E402
+from open_r1_ext.server_pool import ServerPool  # noqa: E402
 from open_r1_ext.trainer import weight_sync  # noqa: E402
 from open_r1_ext.sglang_client import SGLangClient  # noqa: E402
 from open_r1_ext.launch.local_server import BuiltinServer, free_port  # noqa: E402
 
 RATIO_TARGET = 1.3
+DISTRIBUTED_TARGET = 1.0  # seconds per sync over the network / through the disk (page cache), one replica
+REPLICAS_TARGET = 1.2  # seconds per sync over the network, two replicas / one
+NETWORK_SIDES = ("disk_one", "disk_one_cold", "disk_two", "distributed_one", "distributed_two", "spanning_two")
 MEMORY_TARGET = 0.3  # peak extra resident memory of a ZeRO-3 dump per rank / model bytes, buckets of 1/8
 WRITERS_TARGET = 0.75  # ZeRO-3 dump wall time, two writers / one
 LORA_RANK = 16
@@ -247,20 +262,165 @@ def measure(models_root: Path, work: Path, setup: Setup) -> dict:
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     dump_bytes = sum(t.numel() * t.element_size() for t in state.values())
     runs: dict[str, list[dict]] = {"bare": [], "ours": [], "disk": []}
-    server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", str(torch.get_num_threads()), *LORA_FLAGS)
+    server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", str(torch.get_num_threads()))
     sync = weight_sync.WeightSync(Accelerator(cpu=True), str(work), 0, str(work / "weight_sync.jsonl"), [])
-    with BuiltinServer(str(path), extra_args=server_args, log_path=str(work / "server.log")) as server:
-        client = SGLangClient(server.url, max_retries=0)
-        for rep in range(setup.repeats):
-            sides = [("disk", lambda: {"bytes_per_s": disk_write_bandwidth(work, dump_bytes)}),
-                     ("bare", lambda: bare(model, state, work)), ("ours", lambda: ours(model, sync, work, client, rep))]
-            for name, side in sides if rep % 2 == 0 else sides[::-1]:
-                runs[name].append(side())
-        lora = lora_figures(path, work, client, setup.repeats)
+    second = BuiltinServer(str(path), extra_args=server_args, log_path=str(work / "server-b.log"))
+    starting = threading.Thread(target=second.start)  # the second replica of the network rows, started meanwhile
+    starting.start()
+    try:
+        with BuiltinServer(str(path), extra_args=(*server_args, *LORA_FLAGS), log_path=str(work / "server.log")) as server:
+            client = SGLangClient(server.url, max_retries=0)
+            for rep in range(setup.repeats):
+                sides = [("disk", lambda: {"bytes_per_s": disk_write_bandwidth(work, dump_bytes)}),
+                         ("bare", lambda: bare(model, state, work)), ("ours", lambda: ours(model, sync, work, client, rep))]
+                for name, side in sides if rep % 2 == 0 else sides[::-1]:
+                    runs[name].append(side())
+            starting.join()
+            network = network_figures(model, work, [server.url, second.url], setup.repeats)
+            lora = lora_figures(path, work, client, setup.repeats)
+            zero3 = zero3_figures(path, work, setup.repeats, server.url)
+    finally:
+        starting.join()
+        second.stop()
     figures = summarize(runs, checksum_throughputs(work, state), dump_bytes, setup)
+    figures.update(network)
     figures.update(lora)
-    figures.update(zero3_figures(path, work, setup.repeats))
+    figures.update(zero3)
     return figures
+
+
+# ------------------------------------------------------------------------------------------- over the network
+def network_figures(model, work: Path, urls: list[str], repeats: int) -> dict:
+    """Seconds and bytes written to the sync directory per sync, side by side in rotated rounds (`bench_common.rounds`),
+    medians: `WeightSync.sync` through the disk (dump + reload; and "cold": the dump fsynced and dropped from the
+    page cache before the reload, so the server reads it from the disk, as a server on another node would from a
+    shared file system) and through the network (`sync.transport: distributed`, gloo: one group per server), to one
+    replica and to a pool of two; beside them one group spanning both replicas (one broadcast for both)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    one, two = SGLangClient(urls[0], max_retries=0), ServerPool(urls, replica_max_retries=0)
+    disk = weight_sync.WeightSync(accelerator, str(work / "disk"), 0, str(work / "disk.jsonl"), [])
+    sent = weight_sync.WeightSync(accelerator, str(work / "sent"), 0, str(work / "sent.jsonl"), [],
+                                  network=weight_sync.NetworkTransport("gloo"))  # one broadcaster, one group per server
+    syncs = {name: sent if name.startswith(("distributed", "spanning")) else disk for name in NETWORK_SIDES}
+    targets = {name: weight_sync.SyncTarget("generation", two if name.endswith("two") else one,
+                                            distributed=name.startswith("distributed"))
+               for name in NETWORK_SIDES if name != "spanning_two"}
+    spanning = SpanningGroup(urls, sent.sender({url: SGLangClient(url) for url in urls}).broadcaster)  # its child too
+    steps = iter(range(1, 1 << 20))
+
+    def side(name: str) -> Callable[[], tuple[float, int]]:
+        def run() -> tuple[float, int]:
+            step, sync = next(steps), syncs[name]
+            start = time.perf_counter()
+            if name == "spanning_two":
+                spanning.send(sync, model, str(step))
+            elif name == "disk_one_cold":
+                path = sync.dump(model, step)
+                evict(path)
+                error = sync.publish([targets[name]], path, step)
+            else:
+                error = sync.sync(model, step, [targets[name]])
+            seconds = time.perf_counter() - start
+            if name != "spanning_two" and error is not None:
+                raise SystemExit(f"{name}: {error}")
+            sync.wait_durable()  # the seal of a dump runs beside training: not counted, not left to run into the next
+            written = sum(f.stat().st_size for f in sync.sync_dir.rglob("*") if f.is_file())
+            shutil.rmtree(sync.sync_dir, ignore_errors=True)
+            return seconds, written
+        return run
+
+    parts = [side(name) for name in NETWORK_SIDES]
+    for part in parts:  # warm-up: the broadcaster's start, the groups' formation, first-call costs
+        part()
+    results = dict(zip(NETWORK_SIDES, rounds(parts, repeats)))
+    sent.close()
+    figures: dict = {"sync.distributed.bytes_per_sync_model": sum(p.numel() * p.element_size() for p in model.parameters())}
+    for name, samples in results.items():
+        figures[f"sync.distributed.{name}_s"] = statistics.median(s for s, _ in samples)
+        figures[f"sync.distributed.{name}_samples_s"] = [s for s, _ in samples]
+        figures[f"sync.distributed.{name}_bytes_written"] = statistics.median(b for _, b in samples)
+    f = figures
+    f["sync.distributed.vs_disk"] = f["sync.distributed.distributed_one_s"] / f["sync.distributed.disk_one_s"]
+    f["sync.distributed.vs_disk_cold"] = f["sync.distributed.distributed_one_s"] / f["sync.distributed.disk_one_cold_s"]
+    f["sync.distributed.two_vs_one"] = f["sync.distributed.distributed_two_s"] / f["sync.distributed.distributed_one_s"]
+    f["sync.distributed.disk_two_vs_one"] = f["sync.distributed.disk_two_s"] / f["sync.distributed.disk_one_s"]
+    f["sync.distributed.spanning_vs_per_server"] = f["sync.distributed.spanning_two_s"] / f["sync.distributed.distributed_two_s"]
+    f["sync.distributed.broadcast_bytes_per_s"] = f["sync.distributed.bytes_per_sync_model"] / f["sync.distributed.distributed_one_s"]
+    f["sync.distributed.disk_bytes_per_s"] = f["sync.distributed.bytes_per_sync_model"] / f["sync.distributed.disk_one_cold_s"]
+    f.update({"sync.distributed.seconds_target": DISTRIBUTED_TARGET, "sync.distributed.replicas_target": REPLICAS_TARGET,
+              "sync.distributed.bytes_met": f["sync.distributed.distributed_one_bytes_written"] == 0
+              and f["sync.distributed.distributed_two_bytes_written"] == 0,
+              "sync.distributed.seconds_met": f["sync.distributed.vs_disk"] <= DISTRIBUTED_TARGET,
+              "sync.distributed.replicas_met": f["sync.distributed.two_vs_one"] <= REPLICAS_TARGET})
+    return f
+
+
+def evict(directory: Path) -> None:
+    """Write a dump's files to the disk and drop them from the page cache (this file's pages only): the next read
+    comes from the disk."""
+    for path in directory.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+class SpanningGroup:
+    """The topology not chosen, for comparison: one group spanning both replicas (world size 3, the replicas at
+    rank_offset 1 and 2), each bucket one broadcast reaching both; the same walk, routes and broadcaster (a third
+    group in its child) as `WeightBroadcast`."""
+
+    NAME = "open_r1_ext-bench-spanning"
+
+    def __init__(self, urls: list[str], broadcaster: "weight_broadcast.Broadcaster"):
+        self.clients = [SGLangClient(url, max_retries=0) for url in urls]
+        self.broadcaster = broadcaster
+        self.formed = False
+
+    def _post(self, client: SGLangClient, route: str, body: dict) -> dict:
+        answer = client.post_once(route, body, timeout=120.0)
+        if not answer.get("success"):
+            raise SystemExit(f"{client.base_url}{route}: {answer.get('message')}")
+        return answer
+
+    def _each(self, route: str, bodies: list[dict]) -> None:
+        with ThreadPoolExecutor(len(self.clients)) as threads:
+            list(threads.map(lambda cb: self._post(cb[0], route, cb[1]), zip(self.clients, bodies)))
+
+    def _form(self) -> None:
+        world = 1 + len(self.clients)
+        port = self.broadcaster.call("form", self.NAME, 0, world, "gloo", 120.0, None, deadline_s=30.0)
+        bodies = [init_weights_update_group_request("127.0.0.1", port, rank, world, self.NAME, "gloo")
+                  for rank in range(1, world)]
+        with ThreadPoolExecutor(1) as thread:
+            joined = thread.submit(self._each, "/init_weights_update_group", bodies)
+            self.broadcaster.answer("forming the spanning group")
+            joined.result()
+        self.formed = True
+
+    def send(self, sync: "weight_sync.WeightSync", model, version: str) -> None:
+        if not self.formed:
+            self._form()
+        weights = weight_sync.PolicyWeights(sync.accelerator, model, sync.bucket_bytes)
+        self._each("/begin_weight_update", [{}] * len(self.clients))
+
+        def take(index: int, tensors: dict) -> None:
+            layout = weight_broadcast.layout_of(tensors)
+            weight_broadcast.flatten_into(self.broadcaster.ensure_buffer(layout.nbytes), tensors, layout)
+            last = index == len(weights.buckets) - 1
+            body = update_weights_from_distributed_request(layout.names, layout.dtypes, layout.shapes, self.NAME,
+                                                           version if last else f"{version}-partial", flush_cache=last)
+            with ThreadPoolExecutor(1) as thread:
+                updated = thread.submit(self._each, "/update_weights_from_distributed", [body] * len(self.clients))
+                errors = self.broadcaster.call("broadcast", [self.NAME], layout.nbytes)
+                updated.result()
+            if errors[self.NAME]:
+                raise SystemExit(f"spanning broadcast: {errors[self.NAME]}")
+
+        sync.walk(weights, lambda index: True, take)
+        self._each("/end_weight_update", [{}] * len(self.clients))
+
 
 
 # ------------------------------------------------------------------------------------------------------------ LoRA
@@ -308,11 +468,11 @@ def lora_figures(path: Path, work: Path, client: SGLangClient, repeats: int) -> 
 
 
 # ----------------------------------------------------------------------------------------------- ZeRO-3, 2 ranks
-def zero3_figures(path: Path, work: Path, repeats: int) -> dict:
-    """Run `zero3_worker` in 2 gloo processes; its figures."""
+def zero3_figures(path: Path, work: Path, repeats: int, url: str) -> dict:
+    """Run `zero3_worker` in 2 gloo processes (sending to the server at `url`); its figures."""
     out = work / "zero3.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               __file__, "--zero3-worker", str(path), str(work), str(repeats), str(out)]
+               __file__, "--zero3-worker", str(path), str(work), str(repeats), str(out), url]
     # glibc returns every block of 64 kB or more to the system when it is freed (its default threshold grows to 32 MB
     # as blocks are freed, and freed blocks below it stay resident and are reused unseen): resident memory is then
     # what is live, and each dump's peak is its own, whatever ran before it
@@ -353,9 +513,10 @@ def peak_extra_rss(fn: Callable[[], object]) -> int:
     return status("VmHWM") - before
 
 
-def zero3_worker(path: Path, work: Path, repeats: int, out: Path) -> None:
+def zero3_worker(path: Path, work: Path, repeats: int, out: Path, url: str) -> None:
     """One of 2 ranks: the policy partitioned by ZeRO-3; `WeightSync.dump` with buckets of each size (peak extra
-    memory), then with buckets of 1/8 written by both ranks or by rank 0 alone (wall time). Rank 0 writes `out`."""
+    memory), then with buckets of 1/8 written by both ranks or by rank 0 alone (wall time); one `WeightSync.send` to
+    the server at `url` with buckets of 1/8 (peak extra memory, its shared buffer included). Rank 0 writes `out`."""
     import deepspeed
     from accelerate import Accelerator
     from accelerate.utils import gather_object
@@ -395,6 +556,15 @@ def zero3_worker(path: Path, work: Path, repeats: int, out: Path) -> None:
                 mine[f"writers_{writers}_s"].append(dump(syncer(BUCKETS["eighth"]), rep))
             finally:
                 weight_sync.shard_writer = original
+    # a send, once (a new broadcaster: its start is no part of the peak, its shared buffer is)
+    sender = syncer(BUCKETS["eighth"])
+    sender.network = weight_sync.NetworkTransport("gloo")
+    target = weight_sync.SyncTarget("generation", SGLangClient(url, max_retries=0), distributed=True)
+    if accelerator.is_main_process:
+        sender.sender({url: target.client}).broadcaster.start()
+    accelerator.wait_for_everyone()
+    mine["send.peak_extra_fraction"].append(peak_extra_rss(lambda: sender.send(engine, repeats, target)) / model_bytes)
+    sender.close()
     ranks = gather_object([dict(mine)])
     if not accelerator.is_main_process:
         return
@@ -403,6 +573,9 @@ def zero3_worker(path: Path, work: Path, repeats: int, out: Path) -> None:
         by_rank = [statistics.median(r[f"{name}.peak_extra_fraction"]) for r in ranks]
         figures[f"sync.zero3.bucket_{name}.peak_extra_fraction_by_rank"] = by_rank
         figures[f"sync.zero3.bucket_{name}.peak_extra_fraction"] = max(by_rank)
+    by_rank = [statistics.median(r["send.peak_extra_fraction"]) for r in ranks]
+    figures["sync.distributed.zero3.bucket_eighth.peak_extra_fraction_by_rank"] = by_rank
+    figures["sync.distributed.zero3.bucket_eighth.peak_extra_fraction"] = max(by_rank)
     figures["sync.zero3.memory_target"] = MEMORY_TARGET
     figures["sync.zero3.memory_met"] = figures["sync.zero3.bucket_eighth.peak_extra_fraction"] <= MEMORY_TARGET
     two, one = (statistics.median(ranks[0][f"writers_{n}_s"]) for n in (2, 1))
@@ -501,7 +674,37 @@ def tables(f: dict) -> str:
           f"{f['sync.lora.merged_s']:.3f} s", f"{f['sync.lora.seconds_ratio']:.2f}", f"<= {LORA_SECONDS_TARGET:g}",
           verdict(f["sync.lora.seconds_met"]))],
     )
-    return f"{main}\n\n{components}\n\n{background}\n\n{what_if}\n\n{zero3}\n\n{lora}"
+    return f"{main}\n\n{components}\n\n{background}\n\n{what_if}\n\n{zero3}\n\n{lora}\n\n{network_table(f)}"
+
+
+def network_table(f: dict) -> str:
+    """The rows of `network_figures`: seconds and bytes written per sync, through the disk and over the network."""
+    d, n = "sync.distributed", f["sync.repeats"]
+
+    def row(what: str, key: str) -> tuple:
+        return (what, f"{f[f'{d}.{key}_s']:.3f} s", f"{f[f'{d}.{key}_bytes_written'] / MB:,.1f} MB",
+                " ".join(f"{x:.3f}" for x in f[f"{d}.{key}_samples_s"]))
+
+    rows = [row("disk: dump + reload, one replica (page cache)", "disk_one"),
+            row("disk, the dump read back from the disk (fsynced, dropped from the page cache)", "disk_one_cold"),
+            row("disk, two replicas (a pool)", "disk_two"),
+            row("network (gloo, flattened buckets), one replica", "distributed_one"),
+            row("network, two replicas, one group each (what the trainer does)", "distributed_two"),
+            row("network, two replicas, one group spanning both", "spanning_two")]
+    table = markdown_table((f"one sync of {f[f'{d}.bytes_per_sync_model'] / MB:,.1f} MB (median of {n})", "seconds",
+                            "written to the sync directory", "samples (s)"), rows)
+    ratios = markdown_table(
+        ("network transport", "measured", "target", "met"),
+        [("bytes written per sync", f"{f[f'{d}.distributed_one_bytes_written']:.0f}", "0", verdict(f[f"{d}.bytes_met"])),
+         ("seconds per sync / disk's (page cache); / disk's (read from the disk)",
+          f"{f[f'{d}.vs_disk']:.2f}; {f[f'{d}.vs_disk_cold']:.2f}", f"<= {DISTRIBUTED_TARGET:g}", verdict(f[f"{d}.seconds_met"])),
+         ("two replicas / one (disk: " f"{f[f'{d}.disk_two_vs_one']:.2f})", f"{f[f'{d}.two_vs_one']:.2f}",
+          f"<= {REPLICAS_TARGET:g}", verdict(f[f"{d}.replicas_met"])),
+         ("spanning group / one group per server, two replicas", f"{f[f'{d}.spanning_vs_per_server']:.2f}", "-", "-"),
+         ("ZeRO-3, 2 processes: peak extra memory of a send per rank / model bytes, buckets of 1/8 (by rank: "
+          f"{', '.join(f'{x:.2f}' for x in f[f'{d}.zero3.bucket_eighth.peak_extra_fraction_by_rank'])}; the shared "
+          "buffer included)", f"{f[f'{d}.zero3.bucket_eighth.peak_extra_fraction']:.2f}", "-", "-")])
+    return f"{table}\n\n{ratios}"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -512,7 +715,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="write the dumps under this directory (default: a temp dir in /tmp)")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="build the model here (and reuse it) instead of a temp dir")
-    parser.add_argument("--zero3-worker", nargs=4, metavar=("MODEL", "WORK", "REPEATS", "OUT"), default=None,
+    parser.add_argument("--zero3-worker", nargs=5, metavar=("MODEL", "WORK", "REPEATS", "OUT", "URL"), default=None,
                         help=argparse.SUPPRESS)  # one rank of the ZeRO-3 measurement (run under torch.distributed.run)
     return parser.parse_args(argv)
 
@@ -520,8 +723,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     if args.zero3_worker is not None:
-        model, work, repeats, out = args.zero3_worker
-        zero3_worker(Path(model), Path(work), int(repeats), Path(out))
+        model, work, repeats, out, url = args.zero3_worker
+        zero3_worker(Path(model), Path(work), int(repeats), Path(out), url)
         return
     started = time.perf_counter()
     facts = machine_facts(args.quick)

@@ -453,9 +453,9 @@ class WeightBroadcast:
                 except WeightBroadcastError as err:
                     raise WeightBroadcastError(
                         f"could not form the weight-update group with {client.base_url} at {address}:{port} "
-                        f"({self.backend}) within {self.timeout_s:.0f} s: {_refusal(answer) or err}. The server must "
-                        "reach this address and port (sync.distributed_master_address, sync.distributed_port; a "
-                        "firewall?)") from None
+                        f"({self.backend}, sync.distributed_timeout {self.timeout_s:.0f} s): {_refusal(answer) or err}. "
+                        "The server must reach this address and port (sync.distributed_master_address, "
+                        "sync.distributed_port; a firewall?)") from None
                 reply = _answer(answer, self.timeout_s + DEADLINE_MARGIN_S)
                 if not reply.get("success"):
                     raise WeightBroadcastError(f"{client.base_url} could not join the weight-update group at "

@@ -10,28 +10,16 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from open_r1_ext.sglang_client import SGLangClient
-from open_r1_ext.weight_broadcast import Broadcaster, WeightBroadcast
-from tests.weight_buckets import buckets_of
+from tests.weight_buckets import before_broadcast, send_model
 
 url, model, version, stall_file = sys.argv[1:5]
-call = Broadcaster.call
-broadcasts = []
 
 
-def stalling_call(self, *message, **kwargs):
-    if message[0] == "broadcast":
-        broadcasts.append(message)
-        if len(broadcasts) == 2:
-            time.sleep(1.0)  # the server's request for bucket 2 is on its way: let it arrive (it then waits to receive)
-            Path(stall_file).write_text(str(self.process.pid))
-            time.sleep(600)  # injected stall: killed by the test
-    return call(self, *message, **kwargs)
+def stall(broadcaster) -> None:
+    time.sleep(1.0)  # the server's request for bucket 2 is on its way: let it arrive (it then waits to receive)
+    Path(stall_file).write_text(str(broadcaster.process.pid))
+    time.sleep(600)  # injected stall: killed by the test
 
 
-Broadcaster.call = stalling_call
-update = WeightBroadcast("gloo", torch.device("cpu"), timeout_s=120).update([SGLangClient(url)], version, 2)
-for index, bucket in enumerate(buckets_of(Path(model), 2)):
-    update.send(index, bucket)
+with before_broadcast(2, stall):
+    send_model([url], Path(model), version, buckets=2, timeout_s=120)

@@ -4,10 +4,7 @@ both serving exactly the final policy; a trainer killed mid-broadcast, a stalled
 in bounded time with SGLang serving again (and taking the next trainer's group); a server killed between two buckets
 fails alone. The module's SGLang server is killed by its last test."""
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,9 +15,10 @@ from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext import weight_broadcast
 from open_r1_ext.launch.local_server import BuiltinServer
 from open_r1_ext.sglang_client import SGLangClient
-from open_r1_ext.weight_broadcast import Broadcaster, WeightBroadcast
-from tests.helpers import REPO, restore_default_weights, reward_len, tiny_config, tiny_dataset
-from tests.weight_buckets import same, send_model, served_logprobs
+from open_r1_ext.weight_broadcast import WeightBroadcast
+from tests.helpers import restore_default_weights, reward_len, tiny_config, tiny_dataset
+from tests.weight_buckets import (before_broadcast, kill_trainer_mid_broadcast, same, send_model, served_logprobs,
+                                  stop_process)
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +68,8 @@ def test_a_tiny_run_on_sglang_and_a_builtin_replica_ends_with_both_serving_the_f
 
 def test_a_trainer_killed_mid_broadcast_leaves_sglang_serving_and_the_next_one_updates_it(sglang_server, tiny_model,
                                                                                           other_tiny_model, tmp_path):
-    url, stall = sglang_server.url, tmp_path / "stalled"
-    client_process = subprocess.Popen([sys.executable, "-m", "tests.broadcast_client", url, str(other_tiny_model), "v2",
-                                       str(stall)], cwd=REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while not stall.exists() and client_process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert stall.exists(), "the client never reached its second bucket"
-        os.kill(client_process.pid, signal.SIGKILL)  # the trainer dies while SGLang waits for bucket 2
-    finally:
-        client_process.kill()
-        client_process.wait()
+    url = sglang_server.url
+    kill_trainer_mid_broadcast(url, other_tiny_model, "v2", tmp_path)
     assert log_says(sglang_server, "Failed to receive weights")  # it was receiving; its broadcaster died with it
     client = SGLangClient(url)
     client.wait_until_healthy(timeout=60, progress=False)
@@ -101,18 +89,8 @@ def test_a_stalled_broadcaster_is_killed_and_sglang_serves_again(sglang_server, 
                                                                  monkeypatch):
     url = sglang_server.url
     monkeypatch.setattr(weight_broadcast, "DEADLINE_MARGIN_S", 1.0)
-    call, sent = Broadcaster.call, []
-
-    def stalling(self, *message, **kwargs):
-        if message[0] == "broadcast":
-            sent.append(message)
-            if len(sent) == 2:
-                os.kill(self.process.pid, signal.SIGSTOP)  # injected fault: the broadcaster stalls in bucket 2
-        return call(self, *message, **kwargs)
-
-    monkeypatch.setattr(Broadcaster, "call", stalling)
-    outcome = send_model([url], other_tiny_model, "v4", timeout_s=4)
-    monkeypatch.setattr(Broadcaster, "call", call)
+    with before_broadcast(2, stop_process):  # the broadcaster stalls in bucket 2
+        outcome = send_model([url], other_tiny_model, "v4", timeout_s=4)
     assert url in str(outcome[url]) and "did not finish broadcast within 5 s" in str(outcome[url])
     client = SGLangClient(url)
     client.wait_until_healthy(timeout=60, progress=False)  # SGLang's scheduler was blocked until the kill
@@ -133,20 +111,11 @@ def test_a_wrong_master_address_is_refused_before_sglang_is_asked(sglang_server)
 
 def test_sglang_killed_between_two_buckets_fails_alone(sglang_server, builtin, other_tiny_model, tiny_model):
     """Last in the module: it kills the module's SGLang server."""
-    call, sent = Broadcaster.call, []
-
-    def killing(self, *message, **kwargs):
-        if message[0] == "broadcast":
-            sent.append(message)
-            if len(sent) == 2:
-                sglang_server.stop(signal.SIGKILL)  # injected fault: SGLang dies between bucket 1 and bucket 2
-        return call(self, *message, **kwargs)
-
-    Broadcaster.call = killing
     try:
-        outcome = send_model([sglang_server.url, builtin.url], other_tiny_model, "v6", buckets=3)
+        with before_broadcast(2, lambda _: sglang_server.stop(signal.SIGKILL)):  # injected fault: dies after bucket 1
+            outcome = send_model([sglang_server.url, builtin.url], other_tiny_model, "v6", buckets=3)
     finally:
-        Broadcaster.call = call
+        sglang_server.stop()
     assert outcome[builtin.url] is None and SGLangClient(builtin.url).weight_version() == "v6"
     assert sglang_server.url in str(outcome[sglang_server.url]) and "bucket 2/3" in str(outcome[sglang_server.url])
     restore_default_weights(builtin.url, tiny_model)

@@ -6,10 +6,7 @@ between two buckets, a group at an address or port that goes nowhere. The same a
 tests/test_distributed_sglang.py. NCCL cannot run here (no GPU): its test covers what can, named as such."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,10 +23,11 @@ from open_r1_ext.protocol import init_weights_update_group_request, update_weigh
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext import weight_broadcast
-from open_r1_ext.weight_broadcast import Broadcaster, WeightBroadcast, WeightUpdate, resolve_backend
+from open_r1_ext.weight_broadcast import WeightBroadcast, WeightUpdate, resolve_backend
 from tests.fake_sglang import FakeSGLang
-from tests.helpers import REPO, KillServerAt, reward_len, restore_default_weights, tiny_config, tiny_dataset, tiny_recipe
-from tests.weight_buckets import SEQUENCES, buckets_of, same, send_model, served_logprobs
+from tests.helpers import KillServerAt, reward_len, restore_default_weights, tiny_config, tiny_dataset, tiny_recipe
+from tests.weight_buckets import (before_broadcast, kill_trainer_mid_broadcast, same, send_model, served_logprobs,
+                                  stop_process)
 
 
 @pytest.fixture(scope="module")
@@ -203,19 +201,7 @@ def test_two_replicas_take_every_sync_and_one_killed_mid_run_catches_up(pair, ti
 def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_and_the_next_one_updates_it(pair, tiny_model,
                                                                                               other_tiny_model, tmp_path):
     url = pair[0].url
-    stall = tmp_path / "stalled"
-    client_process = subprocess.Popen([sys.executable, "-m", "tests.broadcast_client", url, str(other_tiny_model), "v1",
-                                       str(stall)], cwd=REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while not stall.exists() and client_process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert stall.exists(), "the client never reached its second bucket"
-        broadcaster = int(stall.read_text())
-        os.kill(client_process.pid, signal.SIGKILL)  # the trainer dies in the middle of bucket 2
-    finally:
-        client_process.kill()
-        client_process.wait()
+    broadcaster = kill_trainer_mid_broadcast(url, other_tiny_model, "v1", tmp_path)
     client = SGLangClient(url)
     assert client.generate([[1, 2, 3]], {"max_new_tokens": 2})  # it serves
     deadline = time.monotonic() + 60
@@ -233,19 +219,8 @@ def test_a_stalled_broadcaster_is_killed_at_its_deadline_and_the_server_recovers
                                                                                  monkeypatch):
     url = pair[0].url
     monkeypatch.setattr(weight_broadcast, "DEADLINE_MARGIN_S", 1.0)
-    call = Broadcaster.call
-    sent = []
-
-    def stalling(self, *message, **kwargs):
-        if message[0] == "broadcast":
-            sent.append(message)
-            if len(sent) == 2:
-                os.kill(self.process.pid, signal.SIGSTOP)  # injected fault: the broadcaster stalls in bucket 2
-        return call(self, *message, **kwargs)
-
-    monkeypatch.setattr(Broadcaster, "call", stalling)
-    outcome = send_model([url], other_tiny_model, "v2", timeout_s=3)
-    monkeypatch.setattr(Broadcaster, "call", call)
+    with before_broadcast(2, stop_process):  # the broadcaster stalls in bucket 2
+        outcome = send_model([url], other_tiny_model, "v2", timeout_s=3)
     error = str(outcome[url])
     assert url in error and "did not finish broadcast within 4 s" in error and "killed it" in error
     client = SGLangClient(url)
@@ -258,21 +233,11 @@ def test_a_stalled_broadcaster_is_killed_at_its_deadline_and_the_server_recovers
 def test_a_server_killed_between_two_buckets_fails_alone(pair, tiny_model, other_tiny_model):
     a = pair[1]
     doomed = BuiltinServer(str(tiny_model)).start()
-    call = Broadcaster.call
-    sent = []
-
-    def killing(self, *message, **kwargs):
-        if message[0] == "broadcast":
-            sent.append(message)
-            if len(sent) == 2:
-                doomed.stop(signal.SIGKILL)  # injected fault: a server dies between bucket 1 and bucket 2
-        return call(self, *message, **kwargs)
-
-    Broadcaster.call = killing
     try:
-        outcome = send_model([a.url, doomed.url], other_tiny_model, "v3", buckets=3)
+        with before_broadcast(2, lambda _: doomed.stop(signal.SIGKILL)):  # injected fault: it dies after bucket 1
+            outcome = send_model([a.url, doomed.url], other_tiny_model, "v3", buckets=3)
     finally:
-        Broadcaster.call = call
+        doomed.stop()
         doomed.stop()
     assert outcome[a.url] is None and SGLangClient(a.url).weight_version() == "v3"
     assert doomed.url in str(outcome[doomed.url]) and "bucket 2/3" in str(outcome[doomed.url])

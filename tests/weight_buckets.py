@@ -1,14 +1,20 @@
 """Helpers of the distributed weight-sync tests: a model's weights in buckets, sent to servers with
 `WeightBroadcast` as the trainer sends them (and as `tests/broadcast_client.py` does in a process of its own)."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from safetensors.torch import load_file
 
 from open_r1_ext.sglang_client import ServerError, SGLangClient
-from open_r1_ext.weight_broadcast import WeightBroadcast
+from open_r1_ext.weight_broadcast import Broadcaster, WeightBroadcast
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 
@@ -43,3 +49,47 @@ def served_logprobs(url: str) -> list[torch.Tensor]:
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@contextmanager
+def before_broadcast(number: int, action: Callable[[Broadcaster], None]) -> Iterator[None]:
+    """In the block, `action(broadcaster)` runs just before the `number`-th bucket is broadcast (an injected fault:
+    stop the broadcaster, kill a server, stall)."""
+    call, sent = Broadcaster.call, []
+
+    def injected(self, *message, **kwargs):
+        if message[0] == "broadcast":
+            sent.append(message)
+            if len(sent) == number:
+                action(self)
+        return call(self, *message, **kwargs)
+
+    Broadcaster.call = injected
+    try:
+        yield
+    finally:
+        Broadcaster.call = call
+
+
+def stop_process(broadcaster: Broadcaster) -> None:
+    """An injected fault: the broadcaster stalls (SIGSTOP), as a hung collective would."""
+    os.kill(broadcaster.process.pid, signal.SIGSTOP)
+
+
+def kill_trainer_mid_broadcast(url: str, model: Path, version: str, work: Path) -> int:
+    """Run `tests/broadcast_client.py` (a trainer sending `model` as `version` to `url`), SIGKILL it once the server
+    waits for its second bucket; returns the pid its broadcaster had."""
+    stall = work / "stalled"
+    process = subprocess.Popen([sys.executable, "-m", "tests.broadcast_client", url, str(model), version, str(stall)],
+                               cwd=Path(__file__).resolve().parents[1])
+    try:
+        deadline = time.monotonic() + 120
+        while not stall.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stall.exists(), "the client never reached its second bucket"
+        broadcaster = int(stall.read_text())
+        os.kill(process.pid, signal.SIGKILL)  # the trainer dies while the server waits for bucket 2
+    finally:
+        process.kill()
+        process.wait()
+    return broadcaster

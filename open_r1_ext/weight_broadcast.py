@@ -221,7 +221,7 @@ class Broadcaster:
             reply = self._recv.recv() if ready else None
         except (EOFError, OSError):
             code = self.process.wait()
-            self.process = None
+            self.process, self.buffer, self.groups = None, None, set()
             raise WeightBroadcastError(f"the weight broadcaster process died (exit code {code}) during {what}") from None
         if reply is None:
             self.kill()
@@ -242,6 +242,8 @@ class Broadcaster:
                 if self.device.type == "cpu":
                     self.buffer = self._shared_file_buffer(size)
                 else:
+                    import torch.multiprocessing  # noqa: F401 - the reductions that send a CUDA tensor as an IPC handle
+
                     self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
                     self.call("buffer", ("tensor", self.buffer, None))
             return self.buffer

@@ -159,6 +159,24 @@ def test_a_tiny_run_sends_every_sync_over_the_network_and_a_resume_sends_its_wei
         assert same(sent, served_logprobs(srv.url))
 
 
+def test_async_generation_sends_each_sync_from_the_training_thread(pair, tiny_model, tmp_path):
+    """With the rollout thread generating beside it, each sync is sent at the step (not queued behind the read-ahead
+    batches): batches stay within the staleness bound, nothing is dumped, and the server ends on the final policy."""
+    url = pair[1].url
+    args = tiny_config(tmp_path, max_steps=4, generation_url=url, ref_model_url=f"{url}/ref", transport="distributed",
+                       async_generation=True)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    trainer.train()
+    assert [e["step"] for e in read_jsonl(tmp_path / "weight_sync.jsonl")] == [1, 2, 3, 4]
+    assert all(e["staleness"] <= 1 for e in read_jsonl(tmp_path / "rollouts.jsonl"))
+    assert not (tmp_path / "weights").exists() and SGLangClient(url).weight_version() == "4"
+    sent = served_logprobs(url)
+    trainer.save_model(str(tmp_path / "final"))
+    SGLangClient(url).update_weights_from_disk(str(tmp_path / "final"), weight_version="final")
+    assert same(sent, served_logprobs(url))
+    restore_default_weights(url, tiny_model)
+
+
 class WaitUntilHealthy(TrainerCallback):
     """After optimizer step `step`, wait (up to 120 s) until the server at `url` answers /health again."""
 

@@ -117,15 +117,18 @@ class BuiltinServer(LocalServer):
                 "--host", self.host, "--port", str(self.port), "--log-level", "warning", *self.extra_args]
 
 
-# SGLang 0.5.23 on a CPU: the environment and flags it needs there (see the README's "SGLang on a CPU").
+# SGLang 0.5.23 on a CPU: the environment and flags it needs there (see the README's "SGLang on the CPU"); the one
+# place they live, for the test runner below and for a recipe's `device: cpu` (`slurm_plan.server_command`).
 SGLANG_CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}  # without it SGLang does not treat the machine as a CPU platform
 SGLANG_CPU_MAX_TOTAL_TOKENS = 8192  # KV-cache tokens; unbounded, SGLang sizes the cache from free RAM (~15 GB)
 
 
-def sglang_cpu_args(max_total_tokens: int = SGLANG_CPU_MAX_TOTAL_TOKENS) -> list[str]:
+def sglang_cpu_args(max_total_tokens: int = SGLANG_CPU_MAX_TOTAL_TOKENS, lora: bool = False) -> list[str]:
     """The flags that run SGLang on a CPU: torch-native attention (the only CPU backend without Intel AMX) and a
-    bounded KV cache."""
-    return ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens)]
+    bounded KV cache; with `lora`, torch-native LoRA kernels (its default, csgmv, is Triton's: GPU only)."""
+    lora_backend = ["--lora-backend", "torch_native"] if lora else []
+    return ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
+            *lora_backend]
 
 
 class SGLangServer(LocalServer):
@@ -142,5 +145,18 @@ class SGLangServer(LocalServer):
         self.python, self.max_total_tokens = str(python), max_total_tokens
 
     def command(self) -> list[str]:
+        cpu_args = sglang_cpu_args(self.max_total_tokens, lora="--enable-lora" in self.extra_args)
         return [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", self.host,
-                "--port", str(self.port), *sglang_cpu_args(self.max_total_tokens), *self.extra_args]
+                "--port", str(self.port), *cpu_args, *self.extra_args]
+
+
+class CommandServer(LocalServer):
+    """A server whose whole command line is given (a run's server as its recipe says, from
+    `slurm_plan.server_command`: what `open-r1-ext train` embeds), listening on `port` on this machine."""
+
+    def __init__(self, command: list[str], name: str, model_path: str, port: int, env: Optional[dict] = None, **kwargs):
+        super().__init__(model_path, port=port, **kwargs)
+        self.words, self.name, self.env = list(command), name, dict(env or {})
+
+    def command(self) -> list[str]:
+        return self.words

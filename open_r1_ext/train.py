@@ -132,13 +132,13 @@ def build_rewards(recipe: Recipe) -> list:
 def servers(recipe: Recipe, server_url: URLs, ref_url: URLs, server_dir: Optional[str] = None,
             ref_dir: Optional[str] = None) -> Iterator[tuple[URLs, URLs]]:
     """`(generation_url, ref_model_url)`: given (one URL, or a list: a pool of replicas), from the environment or
-    recipe, or embedded built-in servers; None for a role whose replicas advertise themselves in an address directory
-    (`server_dir`, `ref_dir`: `pool_settings`)."""
+    recipe, or embedded servers (built-in or SGLang, started at once); None for a role whose replicas advertise
+    themselves in an address directory (`server_dir`, `ref_dir`: `pool_settings`)."""
     given = {"generation": listed(server_url) or listed(os.environ.get(SERVER_URL_ENV)),
              "reference": listed(ref_url) or listed(os.environ.get(REF_URL_ENV))}
     directories = {"generation": server_dir, "reference": ref_dir}
     urls: dict[str, list[str]] = {}
-    embedded: list[str] = []
+    embedded = []
     specs = recipe.servers.specs()
     started_here = [role for role, spec in specs.items() if not (given[role] or spec.url or directories[role])]
     threads = cpu_threads_each(len(started_here))
@@ -148,8 +148,11 @@ def servers(recipe: Recipe, server_url: URLs, ref_url: URLs, server_dir: Optiona
             if role in started_here:
                 if not embedded:  # the first embedded server: a new key for this run
                     write_run_key(recipe, Path(recipe.output_dir))
-                embedded.append(role)
-                urls[role] = [stack.enter_context(embedded_server(recipe, role, spec, threads)).url]
+                embedded.append(embedded_server(recipe, role, spec, threads))
+                stack.callback(embedded[-1].stop)
+                urls[role] = [embedded[-1].launch().url]
+        for server in embedded:  # each started before any is waited for: their start-ups overlap
+            server.wait_until_healthy()
         generation = urls.get("generation", [])
         if recipe.servers.reference == "generation":  # each generation server's reference (its /ref slot, built-in)
             reference = [recipe.role_urls(url, None)[1] for url in generation]

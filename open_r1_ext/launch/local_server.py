@@ -55,6 +55,7 @@ class LocalServer:
         self.extra_args = tuple(extra_args)
         self.startup_timeout = startup_timeout
         self.process: Optional[subprocess.Popen] = None
+        self._launched_at = 0.0
 
     @property
     def url(self) -> str:
@@ -63,17 +64,27 @@ class LocalServer:
     def command(self) -> list[str]:
         raise NotImplementedError
 
-    def start(self) -> "BuiltinServer":
-        """Start the server and wait for /health. Started from the main thread, the server gets SIGTERM when this
-        process dies, however it dies (even SIGKILL): an embedded server never outlives its trainer. (From another
-        thread it would die with that thread, so there it is left to `stop()`.)"""
+    def start(self) -> "LocalServer":
+        """Start the server and wait for /health (`launch`, then `wait_until_healthy`)."""
+        return self.launch().wait_until_healthy()
+
+    def launch(self) -> "LocalServer":
+        """Start the server's process, not waiting for it. Started from the main thread, the server gets SIGTERM when
+        this process dies, however it dies (even SIGKILL): an embedded server never outlives its trainer. (From
+        another thread it would die with that thread, so there it is left to `stop()`.)"""
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         on_main_thread = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                         preexec_fn=die_with_parent if on_main_thread else None)
+        self._launched_at = time.monotonic()
+        return self
+
+    def wait_until_healthy(self) -> "LocalServer":
+        """Wait until the launched server answers /health: `ServerError` (naming its log) once it exits, or after
+        `startup_timeout` seconds from its launch."""
         client = SGLangClient(self.url)
-        deadline = time.monotonic() + self.startup_timeout
+        deadline = self._launched_at + self.startup_timeout
         where = f"; see {self.log_path}" if self.log_path else ""
         while not client.is_healthy(timeout=2.0):
             code = self.process.poll()

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from open_r1_ext.config.recipe import Recipe, Resources, ServerSpec
 from open_r1_ext.launch.local_server import SGLANG_CPU_ENV, sglang_cpu_args
-from open_r1_ext.launch.recipe import Recipe, Resources, ServerSpec
-from open_r1_ext.launch.run_key import key_file, uses_key
+from open_r1_ext.launch.run_key import key_file
 
 SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
 SERVER_ROLES = {SERVER: "generation", REF_SERVER: "reference"}  # a server job's role in the recipe's `servers:`
@@ -330,7 +330,7 @@ def server_command(recipe: Recipe, role: str, port: int, host: str = "0.0.0.0", 
     cmd += lora
     if server.engine == "builtin":  # /update_weights_from_disk reads only this run's dumps (SGLang has no such flag)
         cmd += ["--weight-dirs", recipe.sync_dir]
-    if uses_key(recipe):  # the run's key, from its owner-only file: never on the command line (run_key.py)
+    if recipe.servers.uses_key:  # the run's key, from its owner-only file: never on the command line (run_key.py)
         cmd += ["--config", key_file(Path(recipe.output_dir).resolve())]
     return cmd + list(local_args) + [str(a) for a in server.extra_args]
 

@@ -5,6 +5,7 @@ the real tiny model."""
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -86,6 +87,10 @@ def test_sigterm_saves_a_checkpoint_stops_the_server_and_resume_redoes_no_step(t
               if e["role"] == "generation"]
     assert logged == list(range(1, stopped + 3)), logged  # every step's sync once, across the resume
     assert (run / "model.safetensors").exists()
+    if engine == "sglang":  # the resumed run's server (a fresh one) ended on the last step's weights
+        versions = re.findall(r"Weight version changed\. old_version='[^']*' new_version='([^']*)'",
+                              (run / "generation-server.log").read_text())
+        assert versions[-1:] == [str(stopped + 2)], versions
 
 
 def test_an_embedded_server_dies_with_a_killed_trainer(tmp_path, tiny_model):

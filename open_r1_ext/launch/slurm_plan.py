@@ -1,7 +1,8 @@
 """A recipe as SLURM jobs: each job's sbatch options, its per-node command, and the run directory's files.
 
 What the job runtime (`jobs.py`, behind both `slurm/*.slurm` and the submitit launcher) reads; `describe` prints
-it for `--dry-run`. Pure: nothing here submits or waits.
+it for `--dry-run`. `server_command` is also what `open-r1-ext train` runs for an embedded server. Pure: nothing
+here submits or waits.
 """
 
 from __future__ import annotations

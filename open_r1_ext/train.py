@@ -29,7 +29,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from open_r1_ext.config.arguments import add_recipe_arguments
 from open_r1_ext.config.recipe import Recipe, RecipeError, ServerSpec, load_recipe
 from open_r1_ext.launch.jobs import SIGTERM_EXIT
-from open_r1_ext.launch.run_key import key_file, read_run_key, write_run_key
+from open_r1_ext.launch.run_key import read_run_key, write_run_key
 from open_r1_ext.launch.run_status import METRICS_FILE
 from open_r1_ext.sglang_client import ServerError
 

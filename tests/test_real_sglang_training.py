@@ -132,20 +132,26 @@ SEQUENCES = [[5, 17, 42, 9, 100, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 ATOL = 2e-3
 
 
-@pytest.fixture(scope="module")
-def sglang_pair(request, tiny_model, sglang_python, tmp_path_factory):
-    """`a`: the module's `sglang_server`; `b`: a second SGLang server on the tiny model that also loads LoRA adapters
-    (rank 4, every linear layer), launched before `a` is asked for (both start at once if `a` is not up yet). A test
-    that replaces one (killed and restarted) puts the new one in the dict; `b`, or what replaced it, is stopped at the
-    end."""
+@pytest.fixture(scope="module", autouse=True)
+def lora_sglang(tiny_model, sglang_python, tmp_path_factory):
+    """`{"b": server}`: a second SGLang server on the tiny model that also loads LoRA adapters (rank 4, every linear
+    layer), launched as the module starts, so that it starts beside `sglang_server`. A test that replaces it (killed
+    and restarted) puts the new one in the dict; what is there is stopped at the end."""
     log = tmp_path_factory.mktemp("sglang-b") / "b.log"
-    servers = {"b": SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=LORA_FLAGS).launch()}
+    servers = {"b": SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=LORA_FLAGS)}
     try:
-        servers["a"] = request.getfixturevalue("sglang_server")
-        servers["b"].wait_until_healthy()
+        servers["b"].launch()
         yield servers
     finally:
         servers["b"].stop()
+
+
+@pytest.fixture(scope="module")
+def sglang_pair(lora_sglang, sglang_server):
+    """`{"a": sglang_server, "b": the LoRA server}`, both healthy."""
+    lora_sglang["b"].wait_until_healthy()
+    lora_sglang["a"] = sglang_server
+    return lora_sglang
 
 
 @pytest.fixture()

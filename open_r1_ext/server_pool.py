@@ -74,6 +74,7 @@ class Replica:
         self.adapters: dict[str, str] = {}  # LoRA adapters it loaded: name -> path
         self.outstanding = 0  # tokens of the requests in flight to it
         self.reason: Optional[str] = None  # why it was dropped
+        self.behind = False  # answered without the weights the trainer pushed: waits to be sent them
         self.join: Optional[Future] = None
         self.lock = threading.Lock()  # one weight operation at a time
 
@@ -233,7 +234,7 @@ class ServerPool:
         if not replica.client.is_healthy(timeout=HEALTH_TIMEOUT):
             with self._lock:
                 if replica.state != DROPPED:
-                    replica.state, replica.reason = DROPPED, replica.reason or "does not answer /health"
+                    replica.state, replica.reason, replica.behind = DROPPED, replica.reason or "does not answer /health", False
             return
         returning = replica.state == DROPPED
         try:
@@ -254,10 +255,10 @@ class ServerPool:
                     if self._weights != weights or self._replicas.get(replica.name) is not replica:
                         continue
                     if reported != weights.version:
-                        replica.state = JOINING
+                        replica.state, replica.behind = JOINING, True
                         return
                     joined = replica.state != SERVING
-                    replica.state, replica.reason = SERVING, None
+                    replica.state, replica.reason, replica.behind = SERVING, None, False
                     serving = sum(r.state == SERVING for r in self._replicas.values())
                 break
             with replica.lock:
@@ -304,7 +305,7 @@ class ServerPool:
         with self._lock:
             if replica.state == DROPPED:
                 return
-            replica.state, replica.reason = DROPPED, _short(error)
+            replica.state, replica.reason, replica.behind = DROPPED, _short(error), False
             serving = sum(r.state == SERVING for r in self._replicas.values())
         logger.warning("%s replica %s dropped from the pool: %s; %d serving (min_replicas %d)", self.role, replica,
                        replica.reason, serving, self.min_replicas)
@@ -537,6 +538,7 @@ class ServerPool:
                     replica = self._replicas.get(name)
                     if replica is not None and error is None:
                         replica.version, replica.state, replica.reason = str(weight_version), SERVING, None
+                        replica.behind = False
                         confirmed[name] = str(weight_version)
             for name, error in outcomes.items():
                 replica = self._replicas.get(name)
@@ -559,8 +561,7 @@ class ServerPool:
         with self._lock:
             if self._weights is None or not self._weights.pushed:
                 return []
-            return [r.name for r in self._replicas.values()
-                    if r.state == JOINING and r.join is not None and r.join.done()]
+            return [r.name for r in self._replicas.values() if r.state == JOINING and r.behind]
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """Every serving replica loads the adapter (replayed to each replica that joins later)."""

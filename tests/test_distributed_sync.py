@@ -177,21 +177,24 @@ def test_async_generation_sends_each_sync_from_the_training_thread(pair, tiny_mo
     restore_default_weights(url, tiny_model)
 
 
-class WaitUntilHealthy(TrainerCallback):
-    """After optimizer step `step`, wait (up to 120 s) until the server at `url` answers /health again."""
+class WaitUntilBack(TrainerCallback):
+    """After optimizer step `step`, wait (up to 120 s) until `pool` finds replica `name` answering without the
+    weights (back from a restart, waiting to be sent them)."""
 
-    def __init__(self, url: str, step: int):
-        self.url, self.step = url, step
+    def __init__(self, pool, name: str, step: int):
+        self.pool, self.name, self.step = pool, name, step
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            SGLangClient(self.url).wait_until_healthy(timeout=120, poll_interval=0.2, progress=False)
+        deadline = time.monotonic() + 120
+        while state.global_step == self.step and self.name not in self.pool.behind() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
-def test_two_replicas_take_every_sync_and_one_killed_mid_run_catches_up(pair, tiny_model, tmp_path):
-    """A pool of a shared server and one killed after step 1 and started again on its port (the run waits for it after
-    step 2): it comes back without the weights, is sent them at the start of a batch (never sampled from before), and
-    serves again; both end on the final policy."""
+def test_two_replicas_take_every_sync_and_one_killed_mid_run_catches_up(pair, tiny_model, tmp_path, monkeypatch):
+    """A pool of a shared server and one killed after step 1 and started again on its port (the run waits for the pool
+    to find it back after step 2): it comes back without the weights, is sent them at the start of the next batch
+    (never sampled from before), and serves again; both end on the final policy."""
+    monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.2)
     a = pair[0]
     c = BuiltinServer(str(tiny_model)).start()
     killer = KillServerAt(c, step=1, restart_after=0.0)
@@ -199,13 +202,14 @@ def test_two_replicas_take_every_sync_and_one_killed_mid_run_catches_up(pair, ti
         args = tiny_config(tmp_path, max_steps=5, per_device_train_batch_size=8, generation_url=[a.url, c.url],
                            ref_model_url=f"{a.url}/ref", transport="distributed")
         trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args,
-                                    train_dataset=tiny_dataset(), callbacks=[killer, WaitUntilHealthy(c.url, step=2)])
+                                    train_dataset=tiny_dataset(), callbacks=[killer])
+        trainer.add_callback(WaitUntilBack(trainer.remote_generation.client, c.url, step=2))
         trainer.train()
         assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3, 4, 5]
         rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
         assert all(e["staleness"] == 0 for e in rollouts)  # no batch sampled from other weights
         assert rollouts[1]["replicas"] == [a.url, a.url]  # step 2: c is gone
-        assert any(c.url in e["replicas"] for e in rollouts[2:])  # back, with the weights: it serves again
+        assert c.url in rollouts[2]["replicas"]  # sent the weights at the start of step 3: it serves again
         syncs = {e["step"]: sorted(e["replicas"]) for e in read_jsonl(tmp_path / "weight_sync.jsonl")}
         assert syncs[1] == [a.url] and syncs[5] == sorted([a.url, c.url])
         assert SGLangClient(a.url).weight_version() == SGLangClient(c.url).weight_version() == "5"

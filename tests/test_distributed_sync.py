@@ -32,11 +32,11 @@ from tests.weight_buckets import (before_broadcast, kill_trainer_mid_broadcast, 
 
 @pytest.fixture(scope="module")
 def pair(tiny_model, tmp_path_factory):
-    """Two built-in servers on the tiny model (`--weight-update-timeout 20`), shared by the module; tests that change
+    """Two built-in servers on the tiny model (`--weight-update-timeout 6`), shared by the module; tests that change
     their weights put them back."""
     logs = tmp_path_factory.mktemp("dist-logs")
     servers = [BuiltinServer(str(tiny_model), log_path=str(logs / f"{name}.log"),
-                             extra_args=("--weight-update-timeout", "20")) for name in "ab"]
+                             extra_args=("--weight-update-timeout", "6")) for name in "ab"]
     for server in servers:
         server.start()
     yield servers
@@ -88,7 +88,7 @@ def test_the_builtin_server_answers_the_weight_update_routes_as_sglang(pair):
 
 
 def test_a_group_the_server_cannot_join_fails_within_its_timeout(pair, tmp_path):
-    """The built-in server bounds a group's formation by --weight-update-timeout (20 s here; SGLang waits torch's 30
+    """The built-in server bounds a group's formation by --weight-update-timeout (6 s here; SGLang waits torch's 30
     minutes): nothing listens at the port it is given. It serves meanwhile and afterwards."""
     url = pair[1].url
     answer: dict = {}

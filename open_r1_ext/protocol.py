@@ -252,7 +252,6 @@ class UnloadLoRAAdapterReqInput(_Strict):
 # `/end_weight_update`. Every answer is `{"success": bool, "message": str}`, HTTP 400 when not successful.
 DEFAULT_WEIGHT_UPDATE_GROUP = "weight_update_group"  # SGLang's default `group_name`
 FLATTENED_BUCKET = "flattened_bucket"  # `load_format`: one uint8 broadcast of a bucket's tensors, back to back
-WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")  # which runners an update applies to (the built-in server: one)
 UNSUPPORTED_WEIGHT_UPDATE_FIELDS: dict[str, Any] = {"rid": None, "http_worker_ipc": None}
 
 

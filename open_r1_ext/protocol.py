@@ -253,6 +253,18 @@ class UnloadLoRAAdapterReqInput(_Strict):
 DEFAULT_WEIGHT_UPDATE_GROUP = "weight_update_group"  # SGLang's default `group_name`
 FLATTENED_BUCKET = "flattened_bucket"  # `load_format`: one uint8 broadcast of a bucket's tensors, back to back
 UNSUPPORTED_WEIGHT_UPDATE_FIELDS: dict[str, Any] = {"rid": None, "http_worker_ipc": None}
+# The trainer's convention on `weight_version`: every bucket of an update but the last carries `<N>-partial`, so a
+# server whose update stopped half-way (mixed weights), and anything it sampled meanwhile, says so.
+PARTIAL = "-partial"
+
+
+def partial_version(version: str) -> str:
+    """The version a server reports while (or after stopping) half-way through the update to `version`."""
+    return f"{version}{PARTIAL}"
+
+
+def is_partial(version: Optional[str]) -> bool:
+    return str(version).endswith(PARTIAL)
 
 
 class InitWeightsUpdateGroupReqInput(_Strict):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
-from open_r1_ext.protocol import Completion
+from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.sglang_client import (DEFAULT_BACKOFF_FACTOR, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_REQUEST_TIMEOUT,
                                        AbortedRequestError, ServerError, ServerRequestError, SGLangClient)
 from open_r1_ext.wait_progress import WaitProgress
@@ -405,9 +405,10 @@ class ServerPool:
             groups = replica.client.generate([prompts[i] for i in part], sampling, n=n, seeds=part_seeds,
                                            lora_path=lora_path)
             weights = self._weights
-            if weights is not None and weights.version is not None and any(
-                    c.weight_version not in (None, weights.version) for group in groups for c in group):
-                raise _Behind(f"{replica.url} sampled from other weights than {weights.version}")
+            if any(is_partial(c.weight_version) for group in groups for c in group) or (
+                    weights is not None and weights.version is not None
+                    and any(c.weight_version not in (None, weights.version) for group in groups for c in group)):
+                raise _Behind(f"{replica.url} sampled from other weights than {weights.version if weights else 'its own'}")
             return groups
 
         groups, names = self._spread([(len(p) + max_new) * n for p in prompts], send)

@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION
+from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, is_partial, partial_version
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 
 logger = logging.getLogger(__name__)
@@ -61,17 +61,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0  # `sync.distributed_timeout`: a group's formation, one bucket's broadcast, an HTTP call
 DEADLINE_MARGIN_S = 10.0  # beyond a collective's own timeout, before the trainer kills the broadcaster
 BACKENDS = ("auto", "gloo", "nccl")
-PARTIAL = "-partial"  # the weight version a server reports between the first and the last bucket of an update
 GROUP_PREFIX = "open_r1_ext:"
 
 
 class WeightBroadcastError(ServerError):
     """A distributed weight update could not be made; the message names the server(s) and the cause."""
-
-
-def partial_version(version: str) -> str:
-    """The version a server reports while (or after stopping) half-way through the update to `version`."""
-    return f"{version}{PARTIAL}"
 
 
 def group_name_for(url: str) -> str:
@@ -597,7 +591,7 @@ def _lost_group(reported: Optional[str], sent: Optional[str]) -> bool:
     """Whether a server's weight version says it no longer holds the group the trainer formed with it: it restarted
     (its start-up version) or an update stopped half-way. (Weights another client loaded leave the group alone; a
     restart with a `--weight-version` of its own fails its next broadcast at once, and the group is formed again.)"""
-    return reported != sent and (reported in (None, DEFAULT_WEIGHT_VERSION) or str(reported).endswith(PARTIAL))
+    return reported != sent and (reported in (None, DEFAULT_WEIGHT_VERSION) or is_partial(reported))
 
 
 def address_towards(url: str) -> str:

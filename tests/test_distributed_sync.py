@@ -20,6 +20,7 @@ from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.local_server import BuiltinServer, free_port
 from open_r1_ext.config.recipe import RecipeError, load_recipe
 from open_r1_ext.protocol import init_weights_update_group_request, update_weights_from_distributed_request
+from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext import weight_broadcast
@@ -293,6 +294,16 @@ def test_a_group_that_cannot_form_is_refused_or_times_out_naming_the_server(pair
         update = WeightBroadcast("gloo", torch.device("cpu")).update([SGLangClient(fake.url)], "v4", 1)
         assert "runs dp_size 2: SGLang refuses distributed weight updates" in str(update.failed[fake.url])
     assert SGLangClient(url).weight_version() == "default"
+
+
+def test_samples_labelled_partial_are_never_used():
+    """A server in the middle of an update (or stopped half-way) labels what it samples `<N>-partial`: the pool sends
+    that part to another replica (stand-in servers: the label on demand)."""
+    with FakeSGLang() as a, FakeSGLang() as b:
+        a.weight_version = "3-partial"
+        pool = ServerPool([a.url, b.url], replica_max_retries=0)
+        pool.generate([[1, 2], [3, 4], [5, 6], [7, 8]], {"max_new_tokens": 2})
+        assert pool.served_by() == [b.url] * 4
 
 
 # ------------------------------------------------------------------------------------- settings, NCCL

@@ -24,11 +24,10 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.openai_client import OpenAICompletionsClient
-from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, Completion, sampling_params
+from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, Completion, is_partial, sampling_params
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, adapter_name
-from open_r1_ext.weight_broadcast import PARTIAL
 
 logger = logging.getLogger(__name__)
 # A process other than the main one that names an adapter the server does not hold waits for the main process to
@@ -250,7 +249,7 @@ class RemoteGeneration:
         for wait in (0, *ADAPTER_WAITS_S):
             time.sleep(wait)
             reported = target.client.weight_version()
-            if not str(reported).endswith(PARTIAL) and version_number(reported) >= version_number(target.version):
+            if not is_partial(reported) and version_number(reported) >= version_number(target.version):
                 return
             logger.warning("generation server at %s reports weight_version %s, the trainer's is %s: waiting for the "
                            "main process to send its weights", target.client.base_url, reported, target.version)
@@ -276,7 +275,8 @@ class RemoteGeneration:
             with self.trainer.step_timer.part("generate"):  # async: on the rollout thread, beside the step
                 completions = sample()
                 target = self.target
-                if target is not None and any(version_number(c.weight_version) < version_number(target.version)
+                if target is not None and any(is_partial(c.weight_version) or version_number(c.weight_version)
+                                              < version_number(target.version)
                                               for c in completions if c.weight_version is not None):
                     # the server restarted and lost our weights: reload (or send) them, sample again
                     self._restore() if target.distributed else self.weight_sync.repush(target)

@@ -1,15 +1,18 @@
 """Weight sync over the network (`sync.transport: distributed`, issue #22) against real SGLang 0.5.23 on the CPU
 (gloo): a broadcast loads exactly what a dump loads; a tiny run on a pool of SGLang and a built-in server ends with
-both serving exactly the final policy; a trainer killed mid-broadcast, a stalled broadcaster and a wrong address end
+both serving exactly the final policy; a resumed run, and SGLang losing the weights mid-run, get them sent before it
+samples again; a trainer killed mid-broadcast, a stalled broadcaster and a wrong address end
 in bounded time with SGLang serving again (and taking the next trainer's group); a server killed between two buckets
 fails alone. The module's SGLang server is killed by its last test."""
 
+import json
 import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext import weight_broadcast
@@ -64,6 +67,47 @@ def test_a_tiny_run_on_sglang_and_a_builtin_replica_ends_with_both_serving_the_f
         client.update_weights_from_disk(str(tmp_path / "final"), weight_version="final")
         assert same(sent, served_logprobs(url)), url  # what the broadcasts left is exactly the final policy
         restore_default_weights(url, tiny_model)
+
+
+class LoseWeightsAt(TrainerCallback):
+    """After optimizer step `step`, the server at `url` goes back to its start-up weights and version, as after a
+    restart (the process itself stays: a real restart is tested on the built-in server)."""
+
+    def __init__(self, url: str, model, step: int):
+        self.url, self.model, self.step = url, model, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            restore_default_weights(self.url, self.model)
+
+
+def test_a_resumed_run_and_a_server_that_lost_the_weights_get_them_sent(sglang_server, tiny_model, tmp_path):
+    """2 steps with a checkpoint; SGLang back on its start-up weights; the run resumed to 4, SGLang losing the weights
+    again after step 3: each time it is sent the trainer's weights before it samples, and ends on the final policy."""
+    url = sglang_server.url
+    settings = dict(per_device_train_batch_size=8, beta=0.0, generation_url=url, transport="distributed",
+                    save_strategy="steps", save_steps=2)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, train_dataset=tiny_dataset(),
+                                args=tiny_config(tmp_path, max_steps=2, **settings))
+    trainer.train()
+    restore_default_weights(url, tiny_model)
+    resumed = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, train_dataset=tiny_dataset(),
+                                args=tiny_config(tmp_path, max_steps=4, **settings))
+    resumed.add_callback(LoseWeightsAt(url, tiny_model, step=3))  # after the sync of step 3: caught up at step 4
+    sends = []
+    send = resumed.weight_sync.send
+    resumed.weight_sync.send = lambda *a, **k: sends.append((a[1], k.get("only"))) or send(*a, **k)
+    resumed.train(resume_from_checkpoint=True)
+    assert sends == [(2, None), (3, None), (3, [url]), (4, None)]  # resume; sync 3; its catch-up; sync 4
+    rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["weight_version"], e["staleness"]) for e in rollouts[2:]] == [(3, 2, 0), (4, 3, 0)]
+    client = SGLangClient(url)
+    assert client.weight_version() == "4"
+    sent = served_logprobs(url)
+    resumed.save_model(str(tmp_path / "final"))
+    client.update_weights_from_disk(str(tmp_path / "final"), weight_version="final")
+    assert same(sent, served_logprobs(url))
+    restore_default_weights(url, tiny_model)
 
 
 def test_a_trainer_killed_mid_broadcast_leaves_sglang_serving_and_the_next_one_updates_it(sglang_server, tiny_model,

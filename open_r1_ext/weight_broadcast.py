@@ -144,10 +144,11 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def empty_bucket(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                 device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-    """The uint8 buffer a flattened bucket is received into, and each tensor as a view of it (as SGLang's
-    `FlattenedTensorBucket.empty`, with its checks: no negative dimension, each tensor aligned to its type)."""
+def empty_bucket(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], device: torch.device,
+                 reuse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """The uint8 buffer a flattened bucket is received into (`reuse` when it is large enough and on `device`), and each
+    tensor as a view of it (as SGLang's `FlattenedTensorBucket.empty`, with its checks: no negative dimension, each
+    tensor aligned to its type)."""
     views, offset = [], 0
     for name, dtype_text, shape in zip(names, dtypes, shapes):
         dtype = torch_dtype(dtype_text)
@@ -158,7 +159,8 @@ def empty_bucket(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[S
         size = int(torch.Size(shape).numel()) * dtype.itemsize
         views.append((name, offset, size, dtype, list(shape)))
         offset += size
-    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+    fits = reuse is not None and reuse.numel() >= offset and reuse.device == torch.device(device)
+    buffer = reuse if fits else torch.empty(offset, dtype=torch.uint8, device=device)
     return buffer, [(name, buffer[start : start + size].view(dtype).view(shape)) for name, start, size, dtype, shape in views]
 
 

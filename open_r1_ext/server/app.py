@@ -747,18 +747,21 @@ def weight_update_routes(app: APIRouter, engine: ModelEngine, batcher: Batcher, 
             return answer(False, NO_SESSION)
         if obj.abort_all_requests:
             abort_in_flight(in_flight)
-        try:
-            tensors = await asyncio.to_thread(receiver.receive, obj)  # beside generation, bounded by the group's timeout
-        except Exception as err:  # noqa: BLE001 - SGLang's answer names it
-            logger.error("Failed to receive weights: %s", err)
-            return answer(False, f"Failed to receive weights: {err}")
-        try:
-            await asyncio.wrap_future(batcher.call_exclusive(lambda: engine.load_tensors(dict(tensors), obj.weight_version)))
-        except (WeightFileError, RuntimeError) as err:
-            message = (f"Failed to update parameter online: {err}. The full weights of the ModelRunner are partially "
-                       "updated. Please discard the whole weights.")
-            logger.error(message)
-            return answer(False, message)
+        receiver.updating = receiver.updating or asyncio.Lock()
+        async with receiver.updating:  # the received tensors live in a buffer the next update reuses
+            try:
+                tensors = await asyncio.to_thread(receiver.receive, obj)  # beside generation, bounded by its timeout
+            except Exception as err:  # noqa: BLE001 - SGLang's answer names it
+                logger.error("Failed to receive weights: %s", err)
+                return answer(False, f"Failed to receive weights: {err}")
+            try:
+                await asyncio.wrap_future(batcher.call_exclusive(
+                    lambda: engine.load_tensors(dict(tensors), obj.weight_version)))
+            except (WeightFileError, RuntimeError) as err:
+                message = (f"Failed to update parameter online: {err}. The full weights of the ModelRunner are "
+                           "partially updated. Please discard the whole weights.")
+                logger.error(message)
+                return answer(False, message)
         message = "Succeeded to update parameter online."
         if obj.weight_version is not None:
             message += f" Weight version updated to {obj.weight_version}."

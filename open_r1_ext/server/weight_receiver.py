@@ -9,6 +9,7 @@ received beside generation, which stops only while the received tensors are copi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from typing import Optional
@@ -32,6 +33,8 @@ class WeightReceiver:
         self.groups: dict[str, object] = {}
         self.session: Optional[str] = None  # the selector of the open session
         self._lock = threading.Lock()
+        self._buffer: Optional[torch.Tensor] = None  # the last bucket's, received into again (no new pages each time)
+        self.updating: Optional[asyncio.Lock] = None  # one update at a time (made in the server's event loop)
 
     def init_group(self, obj: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
         """Join the group as rank `rank_offset` (this server has one TP rank)."""
@@ -84,14 +87,17 @@ class WeightReceiver:
         return True, "Success"
 
     def receive(self, obj: UpdateWeightsFromDistributedReqInput) -> list[tuple[str, torch.Tensor]]:
-        """The tensors rank 0 broadcasts now; raises (the broadcast failed or timed out, an unknown group)."""
+        """The tensors rank 0 broadcasts now; raises (the broadcast failed or timed out, an unknown group). A
+        flattened bucket's tensors are views of a buffer the next receive reuses: load them first (the route holds
+        `updating` from the receive until they are loaded)."""
         group = self.groups.get(obj.group_name)
         if group is None:
             raise KeyError(f"Group {obj.group_name} not in {list(self.groups)}. Please call "
                            "`init_weights_update_group` first.")
         if obj.load_format == FLATTENED_BUCKET:
-            buffer, tensors = empty_bucket(obj.names, obj.dtypes, obj.shapes, self.device)
-            torch.distributed.broadcast(buffer, src=0, group=group)
+            self._buffer, tensors = empty_bucket(obj.names, obj.dtypes, obj.shapes, self.device, reuse=self._buffer)
+            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+            torch.distributed.broadcast(self._buffer[:nbytes], src=0, group=group)
             return tensors
         tensors = [(name, torch.empty(shape, dtype=torch_dtype(dtype), device=self.device))
                    for name, dtype, shape in zip(obj.names, obj.dtypes, obj.shapes)]

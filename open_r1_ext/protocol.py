@@ -26,7 +26,14 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 Number = Union[StrictInt, StrictFloat]
 # Ranges checked at the edge, so that no value that passes validation overflows later inside a shared batch.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # SGLang's `sampling_seed` is an i64
-TOP_K_MAX = 1 << 30  # SGLang's TOP_K_ALL; -1 (or 0) disables top-k
+TOP_K_MAX = 1 << 30  # SGLang's TOP_K_ALL; -1 disables top-k
+
+
+def max_req_input_len(context_length: int, max_total_tokens: int) -> int:
+    """SGLang 0.5.23's `/server_info.max_req_input_len`: it refuses an input (a prompt; for reference log-probs, prompt
+    and completion) of at least this many tokens, min(context - 1, KV-cache tokens - 1) - 5 (`managers/tp_worker.py`
+    ~568-572, `managers/utils.py` ~272-287). The built-in server takes the same bound."""
+    return min(context_length - 1, max_total_tokens - 1) - 5
 
 
 # What SGLang 0.5.23 knows and the built-in server does not do, with SGLang's default: a request may send the default
@@ -94,6 +101,9 @@ SGLANG_LORA_TARGET_MODULES = (
     "wo_ud",
 )
 LORA_TARGET_ALL = "all"
+# Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1653, ~1677, all
+# `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130): the clients send it there, the built-in server checks it there.
+ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter")
 # OpenAI's legacy completions return at most this many `top_logprobs` per token.
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's chat completions return at most this many `top_logprobs` per token.

@@ -342,10 +342,10 @@ class ServerPool:
     def server_info(self) -> dict:
         return self._any(lambda client: client.server_info())
 
-    def context_length(self) -> Optional[int]:
-        """The smallest context length a serving replica reports (None: each takes its model's own)."""
+    def sequence_limit(self) -> Optional[int]:
+        """The smallest `sequence_limit` a serving replica reports (None: none reports one)."""
         self._serving()
-        lengths = [n for n in self._each_ready(lambda client: client.context_length()).values() if n is not None]
+        lengths = [n for n in self._each_ready(lambda client: client.sequence_limit()).values() if n is not None]
         return min(lengths) if lengths else None
 
     def weight_version(self) -> Optional[str]:

@@ -13,6 +13,7 @@ goes to the admin routes only, and `sampling_kwargs` checks sampling settings ag
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from urllib3.util.retry import Retry
 from open_r1_ext.weight_files import MANIFEST, WeightFileError, check_manifest
 
 from open_r1_ext.protocol import (
+    ADMIN_ROUTES,
     Completion,
     completion_from_generate,
     generate_request,
@@ -63,15 +65,24 @@ SGLANG_SAMPLING_PARAMS = (
     "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
     "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "watermark",
 )
+# The ranges SGLang 0.5.23 takes (`sampling/sampling_params.py` ~255-294; any other value: HTTP 400 for the whole
+# request): name -> (test, what the value must be). `min_new_tokens` must also be at most `max_new_tokens`.
+SGLANG_SAMPLING_RANGES = {
+    "temperature": (lambda v: v >= 0, ">= 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "top_k": (lambda v: v == -1 or v >= 1, "-1 (no top-k) or >= 1; SGLang refuses 0"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2] (1.0: no penalty)"),
+    "min_new_tokens": (lambda v: v >= 0, ">= 0"),
+}
 # vLLM's names of settings SGLang has under another name.
 VLLM_TWINS = {"min_tokens": "min_new_tokens"}
 # Keys the trainer sets itself for every sample, and the setting that controls each.
 TRAINER_SET = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
                "n": "num_generations", "sampling_seed": "seed (one sampling_seed per sample is derived from it)",
                "seed": "seed (one sampling_seed per sample is derived from it)"}
-# Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1653, ~1677, all
-# `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130).
-ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter")
 
 
 class ServerError(RuntimeError):
@@ -234,11 +245,16 @@ class SGLangClient:
         """`/server_info` (SGLang's `/get_server_info` is deprecated)."""
         return self.get_json("/server_info")
 
-    def context_length(self) -> Optional[int]:
-        """The longest prompt + completion the server takes (`/server_info`'s `context_length`; SGLang reports null
-        when it takes the model's own, `max_position_embeddings`)."""
-        value = self.server_info().get("context_length")
-        return int(value) if isinstance(value, int) else None
+    def sequence_limit(self) -> Optional[int]:
+        """The most tokens of prompt + completion the server serves, to sample (the prompt as input) and to score (the
+        whole sequence as one input): `/server_info.max_req_input_len` - 1, since SGLang refuses an input of at least
+        `max_req_input_len` tokens (the context length - 6), and the built-in server reports and keeps the same bound.
+        A server that reports only `context_length`: that; neither (None): the caller takes the model's own."""
+        info = self.server_info()
+        bound, context = info.get("max_req_input_len"), info.get("context_length")
+        if isinstance(bound, int):
+            return bound - 1
+        return context if isinstance(context, int) else None
 
     def weight_version(self) -> Optional[str]:
         return self.model_info().get("weight_version")
@@ -371,10 +387,28 @@ def _aborted(result: dict) -> bool:
     return ((result.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort"
 
 
-def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs") -> dict:
+def sampling_range_problems(params: dict, max_new_tokens: Optional[int] = None) -> list[tuple[str, str]]:
+    """`(name, what its value must be)` for each value of `params` (SGLang `sampling_params` names) that SGLang 0.5.23
+    refuses (`SGLANG_SAMPLING_RANGES`; `min_new_tokens` above `max_new_tokens`)."""
+    problems = []
+    for name, value in params.items():
+        if name not in SGLANG_SAMPLING_RANGES or value is None:
+            continue
+        test, must = SGLANG_SAMPLING_RANGES[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append((name, f"a number {must}"))
+        elif not (math.isfinite(value) and test(value)):
+            problems.append((name, must))
+        elif name == "min_new_tokens" and max_new_tokens is not None and value > max_new_tokens:
+            problems.append((name, f"at most max_new_tokens (max_completion_length={max_new_tokens})"))
+    return problems
+
+
+def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs", max_new_tokens: Optional[int] = None) -> dict:
     """`kwargs` as SGLang `sampling_params`: vLLM names with an SGLang twin renamed (`min_tokens` ->
-    `min_new_tokens`); a key SGLang does not know, or one the trainer sets for every sample, raises `ValueError`
-    naming it and the fix (SGLang would answer every request with HTTP 400)."""
+    `min_new_tokens`); a key SGLang does not know, one the trainer sets for every sample, or a value outside the range
+    SGLang takes (`sampling_range_problems`, with the completions' `max_new_tokens`) raises `ValueError` naming it
+    and the fix (SGLang would answer every request with HTTP 400)."""
     out, given = {}, {}
     for key, value in (kwargs or {}).items():
         name = VLLM_TWINS.get(key, key)
@@ -387,6 +421,9 @@ def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs") ->
         if name in out:
             raise ValueError(f"{where}: {given[name]} and {key} are the same setting; give one")
         out[name], given[name] = value, key
+    for name, must in sampling_range_problems(out, max_new_tokens):
+        raise ValueError(f"{where}.{given[name]}={out[name]!r}: must be {must}, or SGLang answers every request with "
+                         "HTTP 400")
     return out
 
 

@@ -243,16 +243,6 @@ def test_health_info_and_flush_routes(server):
     assert requests.post(f"{server.url}/flush_cache", timeout=10).status_code == 200
 
 
-def test_api_key_required(tiny_model):
-    with BuiltinServer(str(tiny_model), extra_args=("--api-key", "sekret")) as srv:
-        assert requests.get(f"{srv.url}/health", timeout=10).status_code == 200
-        r = requests.post(f"{srv.url}/generate", json={"input_ids": [1]}, timeout=10)
-        assert r.status_code == 401
-        with pytest.raises(ServerRequestError, match="401"):
-            SGLangClient(srv.url, max_retries=0).ref_logprobs([[1, 2]])
-        assert len(SGLangClient(srv.url, api_key="sekret").ref_logprobs([[1, 2, 3]])[0]) == 2
-
-
 def test_client_rides_through_server_restart(tiny_model, hf_model, tmp_path):
     srv = BuiltinServer(str(tiny_model), log_path=str(tmp_path / "log")).start()
     client = SGLangClient(srv.url, request_timeout=30, max_retries=10, backoff_factor=0.5)

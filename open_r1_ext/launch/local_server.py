@@ -37,6 +37,7 @@ class LocalServer:
     its `env` and its `name` (for messages)."""
 
     name = "server"
+    engine = ""  # "builtin" or "sglang": which protocol implementation it is
     env: dict[str, str] = {}
 
     def __init__(
@@ -107,6 +108,7 @@ class BuiltinServer(LocalServer):
     honours `sampling_seed`: seeded samples are reproducible)."""
 
     name = "built-in server"
+    engine = "builtin"
 
     def __init__(self, model_path: str, *args, deterministic: bool = False, **kwargs):
         super().__init__(model_path, *args, **kwargs)
@@ -123,9 +125,11 @@ SGLANG_CPU_MAX_TOTAL_TOKENS = 8192  # KV-cache tokens; unbounded, SGLang sizes t
 
 
 def sglang_cpu_args(max_total_tokens: int = SGLANG_CPU_MAX_TOTAL_TOKENS) -> list[str]:
-    """The flags that run SGLang on a CPU: torch-native attention (the only CPU backend without Intel AMX) and a
-    bounded KV cache."""
-    return ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens)]
+    """The flags that run SGLang on a CPU: torch-native attention (the only CPU backend without Intel AMX), a bounded
+    KV cache, and `--sleep-on-idle` (without it the idle scheduler polls in a busy loop, a whole core per server:
+    measured 100% of a core idle, 0.6% with it)."""
+    return ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
+            "--sleep-on-idle"]
 
 
 class SGLangServer(LocalServer):
@@ -134,6 +138,7 @@ class SGLangServer(LocalServer):
     small models. It takes 15-35 s to start and stops within ~10 s of SIGTERM."""
 
     name = "SGLang server"
+    engine = "sglang"
     env = SGLANG_CPU_ENV
 
     def __init__(self, model_path: str, *args, python: str, max_total_tokens: int = SGLANG_CPU_MAX_TOTAL_TOKENS,

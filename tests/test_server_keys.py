@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from open_r1_ext.launch.local_server import BuiltinServer, SGLangServer
-from open_r1_ext.launch.recipe import load_recipe
+from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch.run_key import key_file, new_key, read_run_key, write_run_key
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from tests.conftest import PROTOCOL_SERVERS

@@ -21,11 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
+from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.openai_client import OpenAICompletionsClient
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, Completion, sampling_params
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
-from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, adapter_name
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
+from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, SGLangClient
-from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.trainer.generation import remote_generation, server_client
 from open_r1_ext.trainer.reference_prefetch import ReferencePrefetch
 from open_r1_ext.trainer.step_timing import PARTS, StepTimer, StepTimingCallback

@@ -1,6 +1,6 @@
 """`RemoteGRPOConfig`: TRL's `GRPOConfig` plus the settings of the remote reference, generation and weight sync.
 
-Read by `RemoteGRPOTrainer`; a recipe's `trainer:` section is parsed into it (`open_r1_ext.launch.recipe`).
+Read by `RemoteGRPOTrainer`; a recipe's `trainer:` section is parsed into it (`open_r1_ext.config.recipe`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from trl import GRPOConfig
 
 from open_r1_ext.sglang_client import (DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT,
                                        sampling_kwargs, sampling_range_problems)
-from open_r1_ext.trainer.weight_sync import DEFAULT_BUCKET_MB
+from open_r1_ext.weight_files import DEFAULT_BUCKET_MB
 
 GENERATION_BACKENDS = ("sglang", "openai")
-SYNC = {"section": "sync"}  # field metadata: the field belongs in a recipe's `sync:` section (open_r1_ext.launch.recipe)
+SYNC = {"section": "sync"}  # field metadata: the field belongs in a recipe's `sync:` section (open_r1_ext.config.recipe)
 
 
 def _trl_sync_field(name: str):

@@ -1,12 +1,13 @@
-"""SGLang's own tests of its native HTTP API, ported to the built-in server (token ids and the tiny model).
+"""SGLang's own tests of its native HTTP API, ported to the tiny model and run against both servers (`protocol_server`):
+the built-in server and real SGLang 0.5.23 on the CPU.
 
 From sgl-project/sglang `test/srt/`: `test_srt_endpoint.py`, `test_skip_tokenizer_init.py`,
 `test_output_ids_no_prompt_prefix.py`, `test_update_weights_from_disk.py`. Each test keeps SGLang's requests and
 assertions; what changes is named where it does: prompts sized to the tiny model's context (2048, not 8000 x 9 tokens),
 its token ids (vocabulary 300) for the Llama ids SGLang's tests hard-code, and `ignore_eos` where the tiny model's
 greedy output would stop early. Not ported: the radix-cache test (`test_cache_tokens`: the built-in server keeps no
-prefix cache and reports `cached_tokens: 0`), custom logit processors and grammar-constrained decoding (refused with a
-400 naming the field: `test_unsupported_sglang_fields_are_named`).
+prefix cache and reports `cached_tokens: 0`), custom logit processors and grammar-constrained decoding (refused by the
+built-in server with a 400 naming the field: `test_unsupported_sglang_fields_are_named`, built-in only).
 """
 
 import json
@@ -107,10 +108,13 @@ def test_logprob_start_len(protocol_server):
 
 
 def test_logprob_with_chunked_prefill(protocol_server, tokenizer):
-    """A long prompt asking for output log-probs (SGLang: 8000 x 9 tokens; here the tiny model's context)."""
+    """A long prompt asking for output log-probs (SGLang: 8000 x 9 tokens; here the longest input the server takes,
+    `max_req_input_len` - 1: SGLang keeps a margin of 6 tokens below the context length)."""
     new_tokens = 4
     prompts = "I have a very good idea on this. " * 200
-    ids = tokenizer(prompts)["input_ids"][: 2048 - new_tokens]
+    longest = requests.get(protocol_server.url + "/server_info", timeout=10).json()["max_req_input_len"] - 1
+    ids = tokenizer(prompts)["input_ids"][:longest]
+    assert len(ids) == longest
     res = post(protocol_server, {
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
@@ -148,7 +152,9 @@ def test_logprob_match(protocol_server):
     score = run_generate(input_tokens + output_tokens, return_logprob=True, logprob_start_len=0, max_new_tokens=0)
     output_logprobs_score = np.array([x[0] for x in score["meta_info"]["input_token_logprobs"][num_prompts_tokens:]])
     assert np.max(np.abs(output_logprobs - output_logprobs_score)) < 0.35
-    assert np.max(np.abs(output_logprobs - output_logprobs_score)) < 1e-4  # ours: the same float32 forward
+    # the built-in server samples and scores with the same float32 forward; SGLang's decode and prefill kernels sum in
+    # another order (seen: 1.2e-4 apart on the CPU)
+    assert np.max(np.abs(output_logprobs - output_logprobs_score)) < (1e-4 if protocol_server.engine == "builtin" else 1e-3)
 
 
 def run_logprob_check(server, arg):
@@ -245,7 +251,8 @@ def test_get_server_info_concurrent(protocol_server):
 
 
 def test_unsupported_sglang_fields_are_named(server):
-    """SGLang's custom logit processor and grammar tests: the built-in server has neither, and says so."""
+    """SGLang's custom logit processor and grammar tests: the built-in server has neither, and says so (built-in only:
+    SGLang does them)."""
     cases = [({"custom_logit_processor": "{}"}, "custom_logit_processor"),
              ({"sampling_params": {"regex": "( Yes| No)", "max_new_tokens": 1}}, "sampling_params.regex"),
              ({"sampling_params": {"custom_params": {"token_id": 5}}}, "sampling_params.custom_params"),
@@ -304,7 +311,8 @@ def test_skip_tokenizer_init_decodes(protocol_server, tokenizer):
 
 def test_simple_decode_stream_incremental(tiny_model, tokenizer):
     """`--incremental-streaming-output` (SGLang's test runs `--stream-output`): the chunks' output_ids, concatenated,
-    are the non-streamed output_ids."""
+    are the non-streamed output_ids. The built-in server only: a server started for this one flag; real SGLang would
+    cost another ~20 s start for a flag the project's clients never use."""
     with BuiltinServer(str(tiny_model), extra_args=("--no-ref-slot", "--incremental-streaming-output")) as srv:
         input_ids = tokenizer(PROMPT)["input_ids"]
         body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 32,
@@ -402,16 +410,22 @@ def test_update_weights_unexist_model(protocol_server):
 
 def test_update_weights_abort_all_requests(protocol_server, tiny_model):
     """With `abort_all_requests` the requests in flight end at once with finish reason `abort` and what they had;
-    without it the reload waits for them."""
-    body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}}
-    with ThreadPoolExecutor(1) as pool:
-        for abort in (True, False):
-            running = pool.submit(lambda: requests.post(protocol_server.url + "/generate", json=body, timeout=120).json())
+    without it the reload waits for them (here a shorter one: SGLang decodes ~15-400 tokens/s on these shared cores).
+    SGLang 0.5.23 may answer the aborting reload 400 "Weights were updated, but the cache was not flushed because
+    requests are still running" (the aborted request is still in its batch when it flushes; seen in 2 of 4 tries), the
+    weights loaded all the same: that answer counts as done here, then the cache is flushed."""
+    for abort, max_new in ((True, 1500), (False, 200)):
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(lambda: requests.post(protocol_server.url + "/generate", json=body, timeout=300).json())
             time.sleep(1.0)  # the long generation is under way
-            assert update_weights(protocol_server, str(tiny_model), abort_all_requests=abort)["success"]
+            answer = update_weights(protocol_server, str(tiny_model), abort_all_requests=abort)
             out = running.result()
-            if abort:
-                assert out["meta_info"]["finish_reason"]["type"] == "abort"
-                assert 0 < len(out["output_ids"]) < 1500 and out["meta_info"]["completion_tokens"] == len(out["output_ids"])
-            else:
-                assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 1500}
+        raced = protocol_server.engine == "sglang" and abort and "cache was not flushed" in answer["message"]
+        assert answer["success"] or raced, answer
+        if abort:
+            assert out["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < len(out["output_ids"]) < max_new and out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+            assert requests.post(protocol_server.url + "/flush_cache", timeout=30).status_code == 200
+        else:
+            assert out["meta_info"]["finish_reason"] == {"type": "length", "length": max_new}

@@ -13,7 +13,6 @@ goes to the admin routes only, and `sampling_kwargs` checks sampling settings ag
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from urllib3.util.retry import Retry
 from open_r1_ext.protocol import (
     ADMIN_ROUTES,
     Completion,
+    sampling_range_problems,
     completion_from_generate,
     generate_request,
     input_token_logprobs,
@@ -64,18 +64,6 @@ SGLANG_SAMPLING_PARAMS = (
     "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
     "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "watermark",
 )
-# The ranges SGLang 0.5.23 takes (`sampling/sampling_params.py` ~255-294; any other value: HTTP 400 for the whole
-# request): name -> (test, what the value must be). `min_new_tokens` must also be at most `max_new_tokens`.
-SGLANG_SAMPLING_RANGES = {
-    "temperature": (lambda v: v >= 0, ">= 0"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "top_k": (lambda v: v == -1 or v >= 1, "-1 (no top-k) or >= 1; SGLang refuses 0"),
-    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2] (1.0: no penalty)"),
-    "min_new_tokens": (lambda v: v >= 0, ">= 0"),
-}
 # vLLM's names of settings SGLang has under another name.
 VLLM_TWINS = {"min_tokens": "min_new_tokens"}
 # Keys the trainer sets itself for every sample, and the setting that controls each.
@@ -383,23 +371,6 @@ def _check_dump(path: str, url: str) -> None:
 
 def _aborted(result: dict) -> bool:
     return ((result.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort"
-
-
-def sampling_range_problems(params: dict, max_new_tokens: Optional[int] = None) -> list[tuple[str, str]]:
-    """`(name, what its value must be)` for each value of `params` (SGLang `sampling_params` names) that SGLang 0.5.23
-    refuses (`SGLANG_SAMPLING_RANGES`; `min_new_tokens` above `max_new_tokens`)."""
-    problems = []
-    for name, value in params.items():
-        if name not in SGLANG_SAMPLING_RANGES or value is None:
-            continue
-        test, must = SGLANG_SAMPLING_RANGES[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append((name, f"a number {must}"))
-        elif not (math.isfinite(value) and test(value)):
-            problems.append((name, must))
-        elif name == "min_new_tokens" and max_new_tokens is not None and value > max_new_tokens:
-            problems.append((name, f"at most max_new_tokens (max_completion_length={max_new_tokens})"))
-    return problems
 
 
 def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs", max_new_tokens: Optional[int] = None) -> dict:

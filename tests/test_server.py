@@ -128,6 +128,35 @@ def test_sampling_seed_counts_only_with_deterministic_inference(tiny_model, serv
     assert len(seeded) == 1 and len(default) == 1
 
 
+def test_ignore_eos_turns_off_stop_token_ids_too(protocol_server):
+    """As SGLang 0.5.23 (`schedule_batch.py` ~1856-1858): `ignore_eos` ends every token-based stop, `stop_token_ids`
+    included, not only the model's EOS."""
+    def generate(**params):
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8, "temperature": 0, **params}}
+        out = requests.post(f"{protocol_server.url}/generate", json=body, timeout=60).json()
+        return out["output_ids"], out["meta_info"]["finish_reason"]
+
+    greedy, finish = generate(ignore_eos=True)
+    assert len(greedy) == 8 and finish == {"type": "length", "length": 8}
+    stop = greedy[2]
+    stopped, finish = generate(stop_token_ids=[stop])
+    assert stopped == greedy[: greedy.index(stop) + 1] and finish == {"type": "stop", "matched": stop}
+    assert generate(stop_token_ids=[stop], ignore_eos=True) == (greedy, {"type": "length", "length": 8})
+
+
+def test_an_input_of_max_req_input_len_tokens_is_refused(protocol_server):
+    """`/server_info.max_req_input_len` means the same on both: an input (here a whole sequence to score) of that many
+    tokens is refused, one token less is served. SGLang's is min(context - 1, KV tokens - 1) - 5."""
+    bound = requests.get(f"{protocol_server.url}/server_info", timeout=10).json()["max_req_input_len"]
+    assert bound == 2048 - 6  # the tiny model's context: 2048 (SGLang here: 8192 KV tokens)
+    client = SGLangClient(protocol_server.url, max_retries=0)
+    assert client.sequence_limit() == bound - 1
+    assert len(client.ref_logprobs([[5] * (bound - 1)])[0]) == bound - 2
+    with pytest.raises(ServerRequestError) as refused:
+        client.ref_logprobs([[5] * bound])
+    assert refused.value.status_code == 400 and str(bound) in refused.value.detail
+
+
 def test_top_k_and_top_p_restrict_the_sampled_set(client):
     prompts = [[1, 2, 3], [9, 8, 7, 6]]
     greedy = client.generate(prompts, {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True})

@@ -10,8 +10,8 @@ from typing import Optional, Union
 
 from trl import GRPOConfig
 
-from open_r1_ext.sglang_client import (DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT,
-                                       sampling_kwargs, sampling_range_problems)
+from open_r1_ext.protocol import sampling_range_problems
+from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, sampling_kwargs
 from open_r1_ext.weight_files import DEFAULT_BUCKET_MB
 
 GENERATION_BACKENDS = ("sglang", "openai")

@@ -24,7 +24,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
                       field_validator, model_validator)
 
 from open_r1_ext.config.data_files import LOCAL_FORMATS, local_columns
-from open_r1_ext.protocol import DTYPE_NAMES, SGLANG_LORA_TARGET_MODULES, max_req_input_len
+from open_r1_ext.protocol import DTYPE_NAMES, SGLANG_LORA_TARGET_MODULES, max_req_input_len, sampling_range_problems
 
 DType = Literal[DTYPE_NAMES]
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -706,9 +706,9 @@ def _check_values(recipe: Recipe, problems: list) -> None:
 
 def _check_sampling_ranges(recipe: Recipe, problems: list) -> None:
     """`repetition_penalty` and the `generation_kwargs` (SGLang `sampling_params`) in the ranges SGLang 0.5.23 takes
-    (`sglang_client.sampling_range_problems`: e.g. `top_k: 0` in generation_kwargs, which SGLang refuses); the
-    Python API (`RemoteGRPOConfig`) checks the same."""
-    from open_r1_ext.sglang_client import VLLM_TWINS, sampling_range_problems
+    (`protocol.sampling_range_problems`: e.g. `top_k: 0` in generation_kwargs, which SGLang refuses); the Python
+    API (`RemoteGRPOConfig`) checks the same."""
+    from open_r1_ext.sglang_client import VLLM_TWINS
 
     flagged = {key for key, _ in problems}
     penalty = recipe.setting("repetition_penalty")

@@ -24,7 +24,7 @@ import os
 import random
 import re
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from jinja2 import TemplateError
+from pydantic import ValidationError
 
 from open_r1_ext import __version__
 from open_r1_ext.server.batcher import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, Batcher
@@ -581,7 +582,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         if text_only and not obj.text_prompts:
             raise BadRequest("prompt: this server (--openai-text-only) takes text prompts only")
         prompts = obj.prompts(tokenize)
-        params = obj.sampling()
+        params = openai_sampling(obj.sampling)
         n = 1 if text_only else obj.n  # a server like llama.cpp's answers one choice per prompt
         params = params.model_copy(update={"n": n})
         check(prompts, [params] * len(prompts), [-1] * len(prompts), COMPLETION_FIELDS)
@@ -653,7 +654,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     @app.post("/v1/chat/completions")
     async def chat_completions(obj: ChatCompletionRequest, request: Request) -> Any:
         prompt = chat_prompt(obj)
-        params = obj.sampling(max_len - len(prompt))
+        params = openai_sampling(lambda: obj.sampling(max_len - len(prompt)))
         if len(prompt) + params.max_new_tokens > max_len:  # named here: the prompt is the messages after the template
             raise BadRequest(f"messages: {len(prompt)} tokens after the chat template, plus max_completion_tokens "
                              f"({params.max_new_tokens}), is longer than the model's context length ({max_len} tokens)")
@@ -716,6 +717,20 @@ async def ending_with_error_event(chunks):
     except StreamFailed as err:
         yield sse({"error": {"message": str(err), "type": "internal_error", "code": 500}})
         yield SSE_DONE
+
+
+OPENAI_NAMES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}  # SGLang's sampling_params -> OpenAI's
+
+
+def openai_sampling(build: Callable[[], SamplingParams]) -> SamplingParams:
+    """A `/v1/*` request's settings as SGLang `sampling_params`; what SGLang refuses there (`top_k` 0, `min_tokens`
+    above the completion's length) is a 400 naming the request's field."""
+    try:
+        return build()
+    except ValidationError as err:
+        error = err.errors()[0]
+        name = error.get("ctx", {}).get("field") or str(error["loc"][-1] if error["loc"] else "body")
+        raise BadRequest(f"{OPENAI_NAMES.get(name, name)}: {error['msg']}") from err
 
 
 def top_of(ask: GenerateAsk) -> int:

@@ -55,6 +55,7 @@ DEFAULT_BACKOFF_FACTOR = 0.5
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection (of the request timeout)
 DEFAULT_MAX_BATCH_TOKENS = 65536
 ABORT_RETRIES = 2  # times an item the server aborted (HTTP 200, finish_reason "abort") is sent again
+HEALTHY, BUSY, DOWN = "healthy", "busy", "down"  # what `SGLangClient.probe` found
 
 # SGLang 0.5.23's `sampling_params` keys (`sglang/srt/sampling/sampling_params.py` ~148-181, the API fields of
 # `SamplingParams`; any other key fails `SamplingParams(**kwargs)` in `tokenizer_manager.py` ~1565 with HTTP 400).
@@ -200,12 +201,22 @@ class SGLangClient:
         return orjson.loads(self._request("POST", route, json=body, timeout=timeout).content)
 
     # ---------------------------------------------------------------- health
-    def is_healthy(self, timeout: float = 5.0, route: str = "/health") -> bool:
+    def probe(self, timeout: float = 5.0, route: str = "/health") -> str:
+        """One look at `route`, no retries (the caller polls): `HEALTHY` (200); `BUSY`, the server answered another
+        status or took the connection but not answered within `timeout` (SGLang's `/health` runs a one-token
+        generation, at least ~1 s, which waits behind a long reload, then answers 503: `http_server.py` ~721-800);
+        `DOWN`, no connection."""
         try:
-            # no retries here: the caller polls
-            return requests.get(f"{self.base_url}{route}", timeout=timeout, headers=dict(self.session.headers)).status_code == 200
+            status = requests.get(f"{self.base_url}{route}", timeout=(CONNECT_TIMEOUT, timeout),
+                                  headers=dict(self.session.headers)).status_code
+        except requests.ReadTimeout:
+            return BUSY
         except requests.RequestException:
-            return False
+            return DOWN
+        return HEALTHY if status == 200 else BUSY
+
+    def is_healthy(self, timeout: float = 5.0, route: str = "/health") -> bool:
+        return self.probe(timeout, route) == HEALTHY
 
     def wait_until_healthy(self, timeout: float = 600.0, poll_interval: float = 1.0, progress: bool = True,
                            route: str = "/health") -> None:

@@ -1,6 +1,6 @@
 """The built-in inference server: SGLang's native HTTP protocol on top of a transformers model.
 
-    python -m open_r1_ext.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
+    python -m open_r1_ext.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY] [--admin-api-key KEY]
         [--enable-lora --max-lora-rank R --lora-target-modules M [M ...]]
 
 Routes are thin: they validate with `open_r1_ext.protocol` and `limits`, hand work to the `Batcher`, and have
@@ -88,9 +88,9 @@ LOAD_FORMATS = (None, "auto", "safetensors")
 LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."  # SGLang's words
 
 
-# pydantic names the member of a union it tried in an error's location ("SamplingParams", "list[int]", "float"):
-# types, not fields, so they are left out of the field path a message names.
-_UNION_MEMBER = re.compile(r"^(int|float|str|bool|none|[A-Z]\w*|\w+\[.*\])$")
+# pydantic names the member of a union it tried, or a validator, in an error's location ("SamplingParams", "list[int]",
+# "float", "function-after[...]"): types, not fields, so they are left out of the field path a message names.
+_UNION_MEMBER = re.compile(r"^(int|float|str|bool|none|[A-Z]\w*|[\w-]+\[.*\])$")
 
 
 def _describe_validation_error(err: RequestValidationError) -> str:

@@ -5,7 +5,6 @@ real HTTP, a fixed function of the prompt, every call recorded; replicas that go
 demand, which real SGLang processes cannot be made to do from outside); the training runs use real built-in servers.
 """
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +20,8 @@ from open_r1_ext.server_pool import NoReplicaError, ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.train import pool_settings
 from tests.fake_sglang import FakeSGLang
-from tests.helpers import (KillServerAt, restore_default_weights, reward_len, tiny_config, tiny_dataset,
-                           tiny_recipe)
+from tests.helpers import (KillServerAt, read_jsonl, restore_default_weights, reward_len, served, synced, tiny_config,
+                           tiny_dataset, tiny_recipe)
 
 SAMPLING = {"max_new_tokens": 4, "temperature": 1.0}
 
@@ -246,21 +245,6 @@ def test_a_refused_reload_names_the_replica():
 
 
 # ---------------------------------------------------------------------------------------- training on a real pool
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def synced(output_dir: Path) -> dict[int, list[str]]:
-    """The generation syncs of `weight_sync.jsonl`: step -> the replicas that confirmed it."""
-    return {e["step"]: sorted(e["replicas"]) for e in read_jsonl(output_dir / "weight_sync.jsonl")
-            if e["role"] == "generation"}
-
-
-def served(output_dir: Path) -> list[list[str]]:
-    """Each batch of `rollouts.jsonl`: the replica of each of its prompts."""
-    return [e["replicas"] for e in read_jsonl(output_dir / "rollouts.jsonl")]
-
-
 # the tests on the four real servers of `replicas` run on one pytest-xdist worker, which starts them once
 on_real_servers = pytest.mark.xdist_group("pool-replicas")
 

@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 from trl import GRPOConfig
 
-from open_r1_ext.protocol import sampling_range_problems
+from open_r1_ext.protocol import completions_field, sampling_range_problems
 from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, sampling_kwargs
 from open_r1_ext.weight_files import DEFAULT_BUCKET_MB
 
@@ -35,8 +35,12 @@ class RemoteGRPOConfig(GRPOConfig):
         ref_model_url (`str` or `None`, *optional*, defaults to `None`):
             Base URL of an SGLang-protocol server (SGLang, or `python -m open_r1_ext.server`) hosting the reference
             model. When set and `beta > 0`, the trainer builds no reference model: per-token reference log-probs of
-            prompt + completion come from the server. SGLang returns these log-probs at temperature 1 (unscaled);
-            TRL scales its local reference by `temperature`, so the two agree exactly at `temperature=1.0`.
+            prompt + completion come from the server. SGLang returns these log-probs at temperature 1 (never divided
+            by `temperature`), so the KL term compares the models at temperature 1 at any `temperature`: the
+            policy's side of it is the policy's log-probs at temperature 1 (from the loss's own forward), and a local
+            reference (no `ref_model_url`) is scored at temperature 1 too; the policy-gradient ratio keeps TRL's
+            tempered log-probs. At `temperature=1.0` this is TRL's KL exactly; the KL is 0 at identical weights for
+            every temperature.
         prefetch_reference (`bool`, *optional*, defaults to `True`):
             Send a batch's reference request the moment its completions exist (right after generation; with
             `async_generation`, on the rollout thread), so the server scores it while the trainer computes its own
@@ -52,7 +56,10 @@ class RemoteGRPOConfig(GRPOConfig):
             prompt, each with its own `sampling_seed`.
         generation_backend (`str`, *optional*, defaults to `"sglang"`):
             Protocol of `generation_url`: `"sglang"` (native `/generate`, token ids in and out, with sampling
-            log-probs) or `"openai"` (any OpenAI-compatible `/v1/completions` server).
+            log-probs) or `"openai"` (any OpenAI-compatible `/v1/completions` server, probed at start-up: the
+            sampling settings go out under their `/v1/completions` names, those the server cannot be sent are refused
+            before training; SGLang's `metadata.weight_version` is each completion's weight version; an aborted
+            choice is asked again; without sampling log-probs the importance-sampling correction is off, said once).
         generation_model_name (`str` or `None`, *optional*, defaults to `None`):
             The `model` field sent to an OpenAI-compatible server (`generation_backend="openai"`); defaults to the
             first model the server lists at `/v1/models`.
@@ -60,7 +67,8 @@ class RemoteGRPOConfig(GRPOConfig):
         With `generation_url`, TRL's `generation_kwargs` are SGLang `sampling_params`: checked here against SGLang's
         names (vLLM's `min_tokens` becomes `min_new_tokens`; an unknown key is refused with the list of valid ones)
         and the ranges SGLang takes (e.g. `repetition_penalty` in (0, 2], `top_k` -1 or >= 1, `min_new_tokens` at most
-        `max_completion_length`), as is `repetition_penalty`.
+        `max_completion_length`), as is `repetition_penalty`; with `generation_backend="openai"`, also a key SGLang's
+        `/v1/completions` has no field for.
 
         > Replica pools
 
@@ -272,8 +280,14 @@ class RemoteGRPOConfig(GRPOConfig):
             for name, must in sampling_range_problems({"repetition_penalty": self.repetition_penalty}):
                 raise ValueError(f"{name}={getattr(self, name)}: must be {must} with generation on a server, or SGLang "
                                  "answers every request with HTTP 400")
-            if self.generation_kwargs:
-                self.generation_kwargs = sampling_kwargs(self.generation_kwargs, max_new_tokens=self.max_completion_length)
+        if self.generation_on_server and self.generation_kwargs:
+            self.generation_kwargs = sampling_kwargs(self.generation_kwargs, max_new_tokens=self.max_completion_length)
+            if self.generation_backend == "openai":
+                for key in self.generation_kwargs:
+                    if completions_field(key) is None:
+                        raise ValueError(f"generation_kwargs.{key}: SGLang's /v1/completions has no such field, so "
+                                         "generation_backend='openai' cannot send it; drop it, or use "
+                                         "generation_backend='sglang'")
         if self.request_timeout <= 0 or self.server_wait_timeout <= 0:
             raise ValueError("request_timeout and server_wait_timeout must be positive (seconds)")
         if self.max_retries < 0:

@@ -14,6 +14,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import re
 import typing
 from pathlib import Path
@@ -154,12 +155,16 @@ class ServerSpec(Section):
     `engine`: `builtin` (this package's server, one device), `sglang`, or `openai` (an OpenAI-compatible
     `/v1/completions` server already running at `url`; generation only). `deterministic` starts the server with
     `--enable-deterministic-inference`, without which SGLang and the built-in server ignore `sampling_seed`.
+    `device: cpu` runs the server on the CPU (SGLang too: for tests and small models); `python` is the interpreter
+    that runs it (e.g. the one of a venv with SGLang; default: the job's own).
     `replicas` server jobs are started (each its own allocation, with `resources`, or its entry of a `resources`
     list); the trainer starts once `min_replicas` of them are healthy, and trains while that many serve.
     """
 
     engine: Literal["builtin", "sglang", "openai"] = "builtin"
     url: Optional[str] = None
+    device: Optional[Literal["cpu", "cuda"]] = None
+    python: Optional[str] = None
     model_path: Optional[str] = None
     port: int = Field(30000, ge=1, le=65535)
     tp_size: int = Field(1, ge=1)
@@ -596,6 +601,7 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
                 problems.append((key, f"local path {value} does not exist (hub ids look like org/name)"))
         _check_data(recipe.data, problems)
         _check_context(recipe, problems)
+        _check_interpreters(recipe, problems)
     _check_rewards(recipe, problems)
     _check_lora(recipe, problems)
     _check_values(recipe, problems)
@@ -745,6 +751,15 @@ def _check_data(data: DataSection, problems: list) -> None:
                                                f"{', '.join(columns) or 'none'}); set data.prompt_column to one of them"))
 
 
+def _check_interpreters(recipe: Recipe, problems: list) -> None:
+    """A server's `python` given as a path is an executable file (a bare name is looked up on the job's PATH)."""
+    for role, spec in recipe.servers.specs().items():
+        if spec.started and spec.python and "/" in spec.python and not os.access(Path(spec.python).expanduser(), os.X_OK):
+            problems.append((f"servers.{role}.python", f"{spec.python} is not an executable file; give the python of a "
+                                                       f"venv that has the {spec.engine} server (for SGLang on the CPU, "
+                                                       "tools/sglang_cpu/install.sh VENV makes one)"))
+
+
 def _check_context(recipe: Recipe, problems: list) -> None:
     """The completion must fit the context (`max_position_embeddings`) of every local model the run loads, and where
     servers serve it, leave room for a prompt within what they take (SGLang refuses an input of the context - 6
@@ -794,18 +809,22 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
             problems.append((f"{key}.extra_args", "the launchers give a server the run's API key in an owner-only file "
                                                   "(--config FILE) and keep it off the command line, where ps shows it: "
                                                   "remove --api-key / --config and set servers.api_key instead"))
+        on_gpus = spec.engine == "sglang" and spec.device != "cpu"
         for where, job in spec.resource_entries():
-            if spec.engine == "sglang" and spec.started and job.gpus_per_node == 0:
-                problems.append((f"{key}.{where}.gpus_per_node", "0: SGLang runs on GPUs; give the server job GPUs "
-                                                                 "(gpus_per_node >= 1) or use engine: builtin"))
-            elif spec.engine == "sglang" and spec.tp_size * spec.dp_size > max(job.nodes * job.gpus_per_node, 1):
+            if on_gpus and spec.started and job.gpus_per_node == 0:
+                problems.append((f"{key}.{where}.gpus_per_node", f"0: SGLang runs on GPUs; give the server job GPUs "
+                                                                 f"(gpus_per_node >= 1), set {key}.device: cpu (SGLang "
+                                                                 "on the CPU: for tests and small models) or use "
+                                                                 "engine: builtin"))
+            elif on_gpus and spec.tp_size * spec.dp_size > max(job.nodes * job.gpus_per_node, 1):
                 problems.append((f"{key}.tp_size", f"tp_size x dp_size = {spec.tp_size * spec.dp_size} needs more GPUs "
                                                    f"than {key}.{where} gives ({job.nodes} node(s) x {job.gpus_per_node})"))
             if spec.engine == "builtin" and (spec.tp_size != 1 or spec.dp_size != 1 or job.nodes != 1):
                 problems.append((f"{key}.tp_size", f"the built-in server runs on one device of one node: set tp_size 1, "
                                                    f"dp_size 1, {where}.nodes 1, or use engine: sglang"))
-            if spec.engine == "sglang" and spec.started:
+            if on_gpus and spec.started:
                 _check_sglang_nodes(spec, job.nodes, key, problems)
+        _check_device(spec, key, problems)
         if spec.extra_arg("--admin-api-key") is not None:
             problems.append((f"{key}.extra_args", "--admin-api-key locks /update_weights_from_disk and /flush_cache to "
                                                   "an admin key, which the launchers would have to put on the command "
@@ -870,6 +889,37 @@ def _check_replicas(spec: ServerSpec, key: str, problems: list) -> None:
     if isinstance(spec.resources, list) and len(spec.resources) != spec.replicas:
         problems.append((f"{key}.resources", f"a list of {len(spec.resources)} resource mapping(s) for replicas: "
                                              f"{spec.replicas}; give one per replica, or one mapping for all"))
+
+
+def _check_device(spec: ServerSpec, key: str, problems: list) -> None:
+    """`device` fits the server's jobs, and SGLang on the CPU is one process on one node (it is for tests and small
+    models: `tp_size`/`dp_size` > 1 need settings of its CPU backend that are not made here)."""
+    if not spec.started:
+        given = [name for name in ("device", "python") if getattr(spec, name) is not None]
+        if given:
+            problems.append((f"{key}.{given[0]}", f"a server already running at url ({spec.url}) is not started by the "
+                                                  f"launchers: remove {' and '.join(given)}"))
+        return
+    if spec.device is None:
+        return
+    for where, job in spec.resource_entries():
+        if spec.device == "cpu" and job.gpus_per_node > 0:
+            problems.append((f"{key}.{where}.gpus_per_node", f"{job.gpus_per_node}: device: cpu uses no GPU; set "
+                                                             "gpus_per_node: 0, or remove device to run on the GPUs"))
+        elif spec.device == "cuda" and job.gpus_per_node == 0:
+            problems.append((f"{key}.{where}.gpus_per_node", "0: device: cuda needs a GPU; give the server job GPUs "
+                                                             "(gpus_per_node >= 1) or set device: cpu"))
+        if spec.device == "cpu" and spec.engine == "sglang" and job.nodes != 1:
+            problems.append((f"{key}.{where}.nodes", f"{job.nodes}: SGLang on the CPU runs on one node; set nodes: 1"))
+    if spec.device == "cpu" and spec.engine == "sglang":
+        if spec.tp_size * spec.dp_size != 1:
+            problems.append((f"{key}.tp_size", "SGLang on the CPU (for tests and small models) runs with tp_size 1 and "
+                                               "dp_size 1: set both to 1, or run it on GPUs (remove device: cpu); for "
+                                               "more throughput, replicas"))
+        if spec.deterministic:
+            problems.append((f"{key}.deterministic", "SGLang on the CPU has no deterministic mode (its only CPU "
+                                                     "attention backend, torch_native, refuses "
+                                                     "--enable-deterministic-inference): set false"))
 
 
 def _check_sglang_nodes(spec: ServerSpec, nodes: int, key: str, problems: list) -> None:

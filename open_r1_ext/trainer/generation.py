@@ -98,6 +98,17 @@ class RemoteGeneration:
         self._log_rollout(completions, served)
         return completions
 
+    def check_sampling(self) -> None:
+        """At start-up, after the server's probe: an OpenAI-compatible server refuses now the sampling settings it
+        cannot be sent (`OpenAICompletionsClient.check_sampling`), rather than at the first batch."""
+        if isinstance(self.client, OpenAICompletionsClient):
+            self.client.check_sampling(self._sampling_params())
+
+    @property
+    def gives_sampling_logprobs(self) -> bool:
+        """Whether the server's completions carry sampling log-probs (an OpenAI-compatible one's probe says)."""
+        return not isinstance(self.client, OpenAICompletionsClient) or self.client.abilities.logprobs
+
     @contextlib.contextmanager
     def later_turns(self):
         """While TRL's tool loop runs: its turns after a tool call may be truncated to the context (see `_fitting`)."""

@@ -141,9 +141,11 @@ def model_variant(base: Path, out: Path, **config_changes) -> Path:
     return out
 
 
-def restore_default_weights(url: str, model: Path) -> None:
-    """Put the server (slot) at `url` back on `model`'s weights, reporting its start-up weight version."""
-    assert SGLangClient(url).update_weights_from_disk(str(model), weight_version=DEFAULT_WEIGHT_VERSION)["success"]
+def restore_default_weights(url: str, model: Path, **keys: str) -> None:
+    """Put the server (slot) at `url` back on `model`'s weights, reporting its start-up weight version (`keys`: the
+    client's `api_key` and `admin_api_key`, for a server that wants them)."""
+    client = SGLangClient(url, **keys)
+    assert client.update_weights_from_disk(str(model), weight_version=DEFAULT_WEIGHT_VERSION)["success"]
 
 
 class KillServerAt(TrainerCallback):

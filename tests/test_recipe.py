@@ -135,6 +135,21 @@ BAD = [
     (lambda r: r["servers"]["generation"].update(extra_args=["--config=mine.yaml"]), "servers.generation.extra_args",
      "set servers.api_key instead"),
     (lambda r: r["rewards"].append("no_such_module_h14:f"), "rewards[2].name", "cannot be imported"),
+    # what SGLang 0.5.23 refuses (issue 21): sampling ranges, a key it would read as a flag, LoRA it cannot serve
+    (lambda r: (r["servers"].update(generation=SGLANG, reference=SGLANG), r["trainer"].update(repetition_penalty=2.5)),
+     "trainer.repetition_penalty", "must be in (0, 2] (1.0: no penalty) with generation on a server"),
+    (lambda r: r["trainer"].update(generation_kwargs={"top_k": 0}), "trainer.generation_kwargs.top_k", "(0 is refused)"),
+    (lambda r: r["trainer"].update(generation_kwargs={"frequency_penalty": -3}), "trainer.generation_kwargs.frequency_penalty",
+     "must be in [-2, 2]"),
+    (lambda r: r["trainer"].update(generation_kwargs={"min_tokens": 17}), "trainer.generation_kwargs.min_tokens",
+     "must be at most max_new_tokens (16)"),
+    (lambda r: r["servers"].update(api_key="-abc"), "servers.api_key", "starts with '-'"),
+    (lambda r: (r["model"].update(use_peft=True, lora_target_modules=["q_proj", "fc1"])), "model.lora_target_modules",
+     "'fc1': not a module the generation server can adapt"),
+    (lambda r: (r["model"].update(use_peft=True), r["servers"].update(generation=SGLANG | {"dp_size": 2, "resources": {
+        "gpus_per_node": 2}}, reference="local")), "servers.generation.dp_size", "loads LoRA adapters only with dp_size 1"),
+    (lambda r: r["trainer"].update(max_completion_length=2042), "trainer.max_completion_length",
+     "a server takes prompt + completion of at most 2041 tokens of it"),
 ]
 
 

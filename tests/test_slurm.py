@@ -79,7 +79,7 @@ def test_sglang_on_the_cpu_runs_under_its_own_python(tiny_model, tmp_path, monke
     serve = shell_join(plan.server_command("server", 0, "node-1"))
     assert serve == (f"env SGLANG_USE_CPU_ENGINE=1 {venv}/python -m sglang.launch_server --model-path {tiny_model} "
                      "--host 0.0.0.0 --port 30000 --tp-size 1 --dp-size 1 --device cpu --attention-backend torch_native "
-                     "--max-total-tokens 8192 --lora-backend torch_native --enable-lora --max-lora-rank 16 "
+                     "--max-total-tokens 8192 --sleep-on-idle --lora-backend torch_native --enable-lora --max-lora-rank 16 "
                      "--lora-target-modules all --config /runs/x/api_key.yaml")
     assert "--lora-backend" not in shell_join(plan.server_command("ref-server", 0, "node-1"))  # no adapters there
     builtin = tiny_plan(tiny_model, "servers.generation.device=cpu", "servers.generation.python=python3")

@@ -25,7 +25,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
                       field_validator, model_validator)
 
 from open_r1_ext.config.data_files import LOCAL_FORMATS, local_columns
-from open_r1_ext.protocol import DTYPE_NAMES
+from open_r1_ext.protocol import DTYPE_NAMES, SGLANG_LORA_TARGET_MODULES, max_req_input_len, sampling_range_problems
 
 DType = Literal[DTYPE_NAMES]
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -616,11 +616,12 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
 
 
 def _config_error_key(message: str) -> str:
-    """Where a config check's `name=value: ...` message belongs: `sync.name` or `trainer.name` (else `trainer`)."""
-    name = message.partition("=")[0]
+    """Where a config check's `name=value: ...` (or `name.key...: ...`) message belongs: `sync.name` or
+    `trainer.name`, with the key below it (`trainer.generation_kwargs.top_k`); else `trainer`."""
+    key = re.match(r"[\w.]*", message).group(0)
     for section, model in _config_sections().items():
-        if name in model.model_fields:
-            return f"{section}.{name}"
+        if key.partition(".")[0] in model.model_fields:
+            return f"{section}.{key}"
     return "trainer"
 
 
@@ -647,8 +648,9 @@ def _check_rewards(recipe: Recipe, problems: list) -> None:
 
 
 def _check_lora(recipe: Recipe, problems: list) -> None:
-    """`model.use_peft`: peft is installed, and the reference is not synced (it is the base model, which never
-    changes: TRL refuses the same)."""
+    """`model.use_peft`: peft is installed, the reference is not synced (it is the base model, which never changes:
+    TRL refuses the same), and a generation server the launchers start can load the adapters (modules among SGLang's
+    `--lora-target-modules` choices; SGLang with dp_size 1)."""
     if not recipe.model.use_peft:
         return
     import importlib.util
@@ -663,6 +665,21 @@ def _check_lora(recipe: Recipe, problems: list) -> None:
         problems.append(("model.lora_target_modules", f"{modules!r}: peft reads a string as a regular expression, which "
                                                       "a server's --lora-target-modules cannot take: give a list of "
                                                       f"module names (e.g. [q_proj, v_proj]) or {ALL_LINEAR}"))
+    generation = recipe.servers.generation
+    if not isinstance(generation, ServerSpec) or not generation.started:
+        return
+    unknown = [m for m in modules if m not in (*SGLANG_LORA_TARGET_MODULES, ALL_LINEAR)] if isinstance(modules, list) else []
+    if unknown:  # the built-in server takes SGLang's choices too
+        problems.append(("model.lora_target_modules", f"{', '.join(map(repr, unknown))}: not a module the generation "
+                                                      "server can adapt (SGLang's --lora-target-modules choices, "
+                                                      f"arg_groups/fields/lora.py: {', '.join(SGLANG_LORA_TARGET_MODULES)}"
+                                                      f"); the server would not start: name those, or {ALL_LINEAR}"))
+    if generation.engine == "sglang" and generation.dp_size > 1:
+        problems.append(("servers.generation.dp_size", f"{generation.dp_size}: SGLang loads LoRA adapters only with "
+                                                       "dp_size 1 (an assertion, HTTP 500 on /load_lora_adapter: "
+                                                       "tokenizer_control_mixin.py ~672), which adapter-only sync "
+                                                       "(model.use_peft) needs: set dp_size 1, and replicas: N for "
+                                                       "more servers"))
 
 
 # Settings TRL and transformers accept at start-up that fail or do nothing later: (test, what the value must be)
@@ -680,7 +697,8 @@ VALUE_RULES: dict[str, tuple[Any, str]] = {
 
 
 def _check_values(recipe: Recipe, problems: list) -> None:
-    """The numeric ranges of `VALUE_RULES`, for the values the recipe sets (TRL's defaults are fine)."""
+    """The numeric ranges of `VALUE_RULES`, for the values the recipe sets (TRL's defaults are fine); with generation
+    on a server, the ranges SGLang takes (`_check_sampling_ranges`)."""
     for section in ("trainer", "sync"):
         for name, value in getattr(recipe, section).items():
             if name in VALUE_RULES and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -689,6 +707,30 @@ def _check_values(recipe: Recipe, problems: list) -> None:
                     default = _config_defaults()[name]
                     fix = f"remove it for the default ({default})" if default is not None else "remove it"
                     problems.append((f"{section}.{name}", f"must be {must}, got {value!r}: set such a value, or {fix}"))
+    if isinstance(recipe.servers.generation, ServerSpec):
+        _check_sampling_ranges(recipe, problems)
+
+
+def _check_sampling_ranges(recipe: Recipe, problems: list) -> None:
+    """`repetition_penalty` and the `generation_kwargs` (SGLang `sampling_params`) in the ranges SGLang 0.5.23 takes
+    (`protocol.sampling_range_problems`: e.g. `top_k: 0` in generation_kwargs, which SGLang refuses); the Python
+    API (`RemoteGRPOConfig`) checks the same."""
+    from open_r1_ext.sglang_client import VLLM_TWINS
+
+    flagged = {key for key, _ in problems}
+    penalty = recipe.setting("repetition_penalty")
+    for name, must in sampling_range_problems({"repetition_penalty": penalty}):
+        if f"trainer.{name}" not in flagged:
+            problems.append((f"trainer.{name}", f"must be {must} with generation on a server (SGLang answers every "
+                                                f"request with HTTP 400 otherwise), got {penalty!r}"))
+    kwargs = recipe.setting("generation_kwargs")
+    if isinstance(kwargs, dict):
+        given = {VLLM_TWINS.get(key, key): (key, value) for key, value in kwargs.items()}
+        for name, must in sampling_range_problems({name: value for name, (_, value) in given.items()},
+                                                  recipe.setting("max_completion_length")):
+            key, value = given[name]
+            problems.append((f"trainer.generation_kwargs.{key}", f"must be {must} (SGLang answers every request with "
+                                                                  f"HTTP 400 otherwise), got {value!r}"))
 
 
 def _check_data(data: DataSection, problems: list) -> None:
@@ -720,10 +762,13 @@ def _check_interpreters(recipe: Recipe, problems: list) -> None:
 
 
 def _check_context(recipe: Recipe, problems: list) -> None:
-    """The completion must fit the context (`max_position_embeddings`) of every local model the run loads."""
+    """The completion must fit the context (`max_position_embeddings`) of every local model the run loads, and where
+    servers serve it, leave room for a prompt within what they take (SGLang refuses an input of the context - 6
+    tokens or more, and scores prompt + completion as one input: `protocol.max_req_input_len`)."""
     completion = recipe.setting("max_completion_length")
     if not isinstance(completion, int):
         return
+    served = bool(recipe.servers.specs())
     models = {recipe.model.name_or_path, *(recipe.model_path(spec) for spec in recipe.servers.specs().values())}
     for model in sorted(models):
         config = Path(model).expanduser() / "config.json"
@@ -733,16 +778,26 @@ def _check_context(recipe: Recipe, problems: list) -> None:
             context = json.loads(config.read_text()).get("max_position_embeddings")
         except (OSError, ValueError):
             continue  # the model's own loader reports a broken config
-        if isinstance(context, int) and completion >= context:
+        if not isinstance(context, int):
+            continue
+        limit = max_req_input_len(context, context) - 1 if served else context
+        if completion >= limit:
+            margin = f"; a server takes prompt + completion of at most {limit} tokens of it" if served else ""
             problems.append(("trainer.max_completion_length",
                              f"{completion} leaves no room for a prompt in the context of {model} ({context} tokens, "
-                             f"max_position_embeddings in its config.json); set it below {context}"))
+                             f"max_position_embeddings in its config.json{margin}); set it below {limit}"))
 
 
 def _check_servers(recipe: Recipe, problems: list) -> None:
     """What each engine can do, and where the reference can live; each message names the fix."""
     generation, reference = recipe.servers.generation, recipe.servers.reference
     beta = recipe.setting("beta")
+    key = recipe.servers.api_key
+    if key and key.startswith("-") and any(spec.started for spec in recipe.servers.specs().values()):
+        problems.append(("servers.api_key", "starts with '-': the servers read the run's key from a --config file, "
+                                            "which SGLang turns into `--api-key -...` and refuses to start with "
+                                            "(\"expected one argument\"): choose a key that does not start with '-', "
+                                            "or remove it for a key generated per run"))
     for role, spec in recipe.servers.specs().items():
         key = f"servers.{role}"
         _check_replicas(spec, key, problems)

@@ -16,6 +16,7 @@ from open_r1_ext.launch.run_key import key_file, new_key, read_run_key, write_ru
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from tests.conftest import PROTOCOL_SERVERS
 from tests.helpers import restore_default_weights
+from tests.weight_buckets import send_model
 from tests.slurm_helpers import RECIPE
 
 ADMIN_KEY = "admin-key"
@@ -69,6 +70,19 @@ def test_the_admin_routes_take_only_the_admin_key(keyed, tiny_model):
         assert client.weight_version() == "3"
         assert requests.post(f"{server.url}/flush_cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
                              timeout=30).status_code == 200
+    finally:
+        restore_default_weights(server.url, tiny_model, api_key=key, admin_api_key=ADMIN_KEY)
+
+
+def test_the_distributed_weight_update_routes_take_only_the_admin_key(keyed, tiny_model):
+    """`sync.transport: distributed`: SGLang's five weight-update routes are admin routes too; the client sends the
+    admin key there."""
+    server, key = keyed
+    refused = send_model([server.url], tiny_model, "4", api_key=key)[server.url]
+    assert "HTTP 401" in str(refused)
+    try:
+        assert send_model([server.url], tiny_model, "4", api_key=key, admin_api_key=ADMIN_KEY) == {server.url: None}
+        assert SGLangClient(server.url, api_key=key).weight_version() == "4"
     finally:
         restore_default_weights(server.url, tiny_model, api_key=key, admin_api_key=ADMIN_KEY)
 

@@ -28,13 +28,14 @@ def buckets_of(model: Path, count: int) -> list[dict[str, torch.Tensor]]:
 
 
 def send_model(urls: Sequence[str], model: Path, version: str, buckets: int = 2,
-               sender: Optional[WeightBroadcast] = None, timeout_s: float = 60.0) -> dict[str, Optional[ServerError]]:
+               sender: Optional[WeightBroadcast] = None, timeout_s: float = 60.0,
+               **client_settings) -> dict[str, Optional[ServerError]]:
     """Send `model`'s weights to the servers at `urls` as `version` (a new gloo `WeightBroadcast` unless `sender`, which
-    stays open); the outcome per URL."""
+    stays open; `client_settings`: the clients' keys); the outcome per URL."""
     own = sender is None
     sender = sender or WeightBroadcast("gloo", torch.device("cpu"), timeout_s=timeout_s)
     try:
-        update = sender.update([SGLangClient(url) for url in urls], version, buckets)
+        update = sender.update([SGLangClient(url, **client_settings) for url in urls], version, buckets)
         for index, bucket in enumerate(buckets_of(model, buckets)):
             update.send(index, bucket)
         return update.finish()

@@ -4,13 +4,14 @@ one `/update_weights_from_distributed` per bucket, `/end_weight_update`), NCCL b
 trainer's `weight_sync` feeds it the buckets of its one bucket walk; the built-in server forms its side of a group
 with `weight_update_group` and unpacks buckets with `unflatten`. No TRL here.
 
-Design (measured figures: README, *Weight sync over the network*):
+Design (measured figures: docs/benchmarks.md, *Weight sync over the network*):
 - Topology: one group per server (world size 1 + its TP size, the trainer rank 0), all held by one broadcaster
   process; each bucket goes to every server's group at once. A group spanning all replicas (one broadcast reaching
   every one) would have to be formed again, by every replica, whenever one joins, restarts or dies, and one dead
   member fails everyone's update; per-server groups keep a fault, a joiner or a restart to its own server, as the
-  replica pool's rules want. On this CPU (gloo) the two cost the same per sync; what per-server groups give up is
-  the trainer's upload at scale (N servers, N copies; NCCL pipelines one broadcast through a spanning group).
+  replica pool's rules want. On this CPU (gloo) the spanning group was no faster (1.00-1.65 × per-server groups, six
+  runs of tools/bench_sync.py); what per-server groups give up is the trainer's upload at scale (N servers, N
+  copies; NCCL pipelines one broadcast through a spanning group).
 - Buckets: SGLang's `flattened_bucket`: a bucket's tensors (the dump's walk, `sync.bucket_mb`, one gathered at a
   time under ZeRO-3) copied back to back into one uint8 buffer, one broadcast each (half the time of a broadcast
   per tensor on SGLang). In a bucket the tensors go by element size, largest first, so that each starts aligned to

@@ -66,7 +66,9 @@ from open_r1_ext.protocol import (
     SGLANG_LORA_TARGET_MODULES,
     ChatCompletionRequest,
     CompletionRequest,
+    ContinueGenerationReqInput,
     GenerateReqInput,
+    PauseGenerationReqInput,
     LoadLoRAAdapterReqInput,
     SamplingParams,
     StreamOptions,
@@ -83,6 +85,14 @@ HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)  # /health_g
 DETERMINISTIC_DEFAULT_SEED = 42  # SGLang's seed for a request without `sampling_seed` in deterministic mode
 LOAD_FORMATS = (None, "auto", "safetensors")
 LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."  # SGLang's words
+# SGLang's answer to a reload that flushes the cache while requests paused in place keep theirs
+# (`scheduler_components/weight_updater.py` ~120-133); the weights and version have changed all the same.
+CACHE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
+                     "Retract or finish them, then call /flush_cache.")
+
+
+class CacheNotFlushed(RuntimeError):
+    """A reload with `flush_cache` while requests paused `in_place` hold a KV cache of the old weights."""
 
 
 # pydantic names the member of a union it tried in an error's location ("SamplingParams", "list[int]", "float"):
@@ -366,15 +376,36 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                 if task.finish is None:
                     task.abort()
                     aborted += 1
-        future = batcher.call_exclusive(lambda: engine.load_weights(_allowed(obj.model_path, weight_dirs), obj.weight_version, obj.mixup_alpha))
+        def reload() -> str:
+            message = engine.load_weights(_allowed(obj.model_path, weight_dirs), obj.weight_version, obj.mixup_alpha)
+            if obj.flush_cache and batcher.holds_kv():  # as SGLang: the weights changed, the old KV cache stays
+                raise CacheNotFlushed(CACHE_NOT_FLUSHED)
+            return message
+
         try:
-            message = await asyncio.wrap_future(future)
-        except (WeightFileError, OSError) as err:
+            message = await asyncio.wrap_future(batcher.call_exclusive(reload))
+        except (WeightFileError, OSError, CacheNotFlushed) as err:
             logger.warning("weight update from %s refused: %s", obj.model_path, err)
             content = {"success": False, "message": str(err), "num_paused_requests": 0}
             return JSONResponse(status_code=400, content=content)
         logger.info("%s (weight_version=%s, %d requests aborted)", message, engine.weight_version, aborted)
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    @app.post("/pause_generation")
+    async def pause_generation(obj: PauseGenerationReqInput) -> JSONResponse:
+        """As SGLang 0.5.23 (`tokenizer_manager.py` ~2267, `scheduler.py` ~5817): answered once the pause is in force
+        (with `abort`, once the aborted requests are answered); pausing again is fine."""
+        await asyncio.wrap_future(batcher.pause(obj.mode))
+        logger.info("generation paused (%s)", obj.mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(obj: ContinueGenerationReqInput) -> JSONResponse:
+        """As SGLang: requests retracted by the pause are prefilled again with the weights now served; a no-op when not
+        paused."""
+        await asyncio.wrap_future(batcher.resume())
+        logger.info("generation continued")
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     def lora_answer(error: Optional[str] = None) -> JSONResponse:
         """SGLang's answer to a LoRA load/unload: HTTP 400 when it failed."""
@@ -442,7 +473,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         try:
             gen_future = asyncio.wrap_future(batcher.generate(tasks)) if tasks else None
             score_future = asyncio.wrap_future(batcher.score(to_score, adapters)) if to_score else None
-            detail_future = asyncio.wrap_future(batcher.call_exclusive(
+            detail_future = asyncio.wrap_future(batcher.call_between_steps(
                 lambda: [engine.score_top(*entry) for entry in detailed])) if detailed else None
             _handed_in(request)
             scored = await score_future if score_future is not None else []

@@ -69,9 +69,10 @@ VLLM_TWINS = {"min_tokens": "min_new_tokens"}
 TRAINER_SET = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
                "n": "num_generations", "sampling_seed": "seed (one sampling_seed per sample is derived from it)",
                "seed": "seed (one sampling_seed per sample is derived from it)"}
-# Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1653, ~1677, all
-# `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130).
-ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter")
+# Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1653, ~1677, ~1832,
+# ~1845, all `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130).
+ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter",
+                "/pause_generation", "/continue_generation")
 
 
 class ServerError(RuntimeError):
@@ -289,6 +290,17 @@ class SGLangClient:
         _check_dump(model_path, f"{self.base_url}/update_weights_from_disk")
         return self._post_checked("/update_weights_from_disk", update_weights_request(model_path, weight_version, **extra),
                                   f"the weights in {model_path}", "message")
+
+    def pause_generation(self, mode: str = "retract") -> dict:
+        """SGLang's `/pause_generation`: `retract` (the requests under way keep their tokens; their KV cache is
+        recomputed with the weights served at `continue_generation`, so the tokens after it come from those weights,
+        and each answer's `weight_versions` says which tokens came from which), `in_place` (they keep their KV cache)
+        or `abort` (they end, `finish_reason` abort). Requests sent meanwhile wait; a reload runs at once."""
+        return self.post_json("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        """SGLang's `/continue_generation`: what `pause_generation` held goes on (a no-op when not paused)."""
+        return self.post_json("/continue_generation", {})
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """Load the PEFT adapter directory `lora_path` (one the server can read) under the name `lora_name`, which

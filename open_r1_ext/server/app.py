@@ -289,6 +289,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     max_len = context_length or engine.context_length
     started = int(time.time())
     in_flight: set[GenerationTask] = set()  # what a reload with abort_all_requests aborts
+    reported: dict[str, str] = {}  # after a reload refused for an in-place pause: the model and version of the last good one
     loras: dict[str, tuple[str, str]] = {}  # LoRA adapters served: lora_name -> (the engine's adapter id, lora_path)
     lora_names_busy: set[str] = set()  # names being loaded
     lora_names_unloaded: set[str] = set()  # names unloaded (and not loaded again): a request naming one is told so
@@ -326,10 +327,10 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     async def model_info() -> dict:
         config = engine.model.config
         return {
-            "model_path": engine.loaded_path,
+            "model_path": reported.get("model_path", engine.loaded_path),
             "tokenizer_path": engine.model_path,
             "is_generation": True,
-            "weight_version": engine.weight_version,
+            "weight_version": reported.get("weight_version", engine.weight_version),
             "model_type": getattr(config, "model_type", None),
             "architectures": getattr(config, "architectures", None),
             "vocab_size": engine.vocab_size,
@@ -353,7 +354,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             "batches_run": batcher.batches_run,
             "sequences_generated": batcher.sequences_generated,
             "sequences_scored": batcher.sequences_scored,
-            "weight_version": engine.weight_version,
+            "weight_version": reported.get("weight_version", engine.weight_version),
             "enable_deterministic_inference": deterministic,
             "supports_weight_mixup": True,  # `mixup_alpha` on /update_weights_from_disk (SGLang has none)
             "openai_text_only": text_only,
@@ -377,9 +378,15 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
                     task.abort()
                     aborted += 1
         def reload() -> str:
+            before = {"model_path": engine.loaded_path, "weight_version": engine.weight_version}
             message = engine.load_weights(_allowed(obj.model_path, weight_dirs), obj.weight_version, obj.mixup_alpha)
-            if obj.flush_cache and batcher.holds_kv():  # as SGLang: the weights changed, the old KV cache stays
+            if obj.flush_cache and batcher.holds_kv():
+                # as SGLang: the weights changed and samples say the new version, while /model_info keeps reporting
+                # the last reload that succeeded
+                reported.setdefault("model_path", before["model_path"])
+                reported.setdefault("weight_version", before["weight_version"])
                 raise CacheNotFlushed(CACHE_NOT_FLUSHED)
+            reported.clear()
             return message
 
         try:

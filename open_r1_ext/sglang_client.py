@@ -260,12 +260,15 @@ class SGLangClient:
         n: int = 1,
         seeds: Optional[Sequence[int]] = None,
         lora_path: Optional[str] = None,
+        keep_aborted: bool = False,
     ) -> list[list[Completion]]:
         """Sample `n` completions of each prompt; returns them prompt by prompt.
 
         Each copy is its own request item with its own `sampling_seed` (from `seeds`, `len(prompts) * n` of them,
         prompt-major), so copies differ even on a server in deterministic mode. `lora_path`: the name of a loaded
-        LoRA adapter (`load_lora_adapter`) every item samples with; None samples with the base model.
+        LoRA adapter (`load_lora_adapter`) every item samples with; None samples with the base model. An item the
+        server aborted is sent again (see `_batched_generate`), unless `keep_aborted`: then it is returned as it came
+        (`finish_reason` "abort", partial), for the caller to judge.
         """
         items = [list(map(int, p)) for p in prompts for _ in range(n)]
         if seeds is not None and len(seeds) != len(items):
@@ -277,7 +280,8 @@ class SGLangClient:
         def body(batch):
             return generate_request([ids for ids, _ in batch], [p for _, p in batch], lora_path)
 
-        results = self._batched_generate(indexed, body, [len(ids) + max_new for ids in items])
+        sizes = [len(ids) + max_new for ids in items]
+        results = self._send_generate(indexed, body, sizes) if keep_aborted else self._batched_generate(indexed, body, sizes)
         flat = [completion_from_generate(r) for r in results]
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 

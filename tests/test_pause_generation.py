@@ -8,15 +8,17 @@ mode on a CPU), so the checks hold for whatever was sampled."""
 import json
 import threading
 import time
+from collections import Counter
 
 import pytest
 import requests
 import torch
 from transformers import AutoModelForCausalLM
 
+from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.protocol import completion_from_generate
 from open_r1_ext.sglang_client import SGLangClient
-from tests.helpers import restore_default_weights
+from tests.helpers import restore_default_weights, reward_len, tiny_config, tiny_dataset
 
 NEW_TOKENS = 300
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
@@ -153,3 +155,21 @@ def test_abort_pause_ends_the_requests_under_way_and_holds_new_ones(any_server):
 def test_pause_modes_are_checked(any_server):
     answer = requests.post(f"{any_server.url}/pause_generation", json={"mode": "later"}, timeout=30)
     assert answer.status_code == 400 and "mode" in answer.text
+
+
+def test_an_in_flight_run_on_each_server_keeps_the_staleness_bound(any_server, tiny_model, tmp_path):
+    """A tiny run with in-flight updates (#23) against each server: every sync pauses it (retract), reloads and
+    continues it while groups are under way; each group trains once, within `max_weight_staleness`."""
+    args = tiny_config(tmp_path, max_steps=6, per_device_train_batch_size=8, num_generations=4, max_completion_length=64,
+                       beta=0.0, generation_url=any_server.url, async_generation=True, in_flight_updates=True,
+                       max_weight_staleness=1, max_prompts_in_flight=8, generation_kwargs={"ignore_eos": True})
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(64))
+    trainer.train()
+    log = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    trained = [e for e in log if not e.get("dropped")]
+    assert [e["step"] for e in trained] == [step for step in range(1, 7) for _ in range(2)]
+    assert all(e["staleness"] <= 1 for e in trained) and all(e["staleness"] > 1 for e in log if e.get("dropped"))
+    assert max(Counter((e["epoch"], *e["group"]) for e in trained).values()) == 1
+    assert SGLangClient(any_server.url).weight_version() == "6"
+    paused = [h["background/paused"] for h in trainer.state.log_history if "background/paused" in h]
+    assert len(paused) >= 4 and all(seconds > 0 for seconds in paused)  # the syncs paused the server

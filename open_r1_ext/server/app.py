@@ -8,7 +8,8 @@ Routes are thin: they validate with `open_r1_ext.protocol` and `limits`, hand wo
 and every SGLang field this server does not do, gets HTTP 400 naming the field (or file) and the problem. It serves the
 same clients as a real SGLang server (`/generate`, `/update_weights_from_disk`, `/model_info`, `/server_info` and
 their `/get_*` names, `/health`, `/health_generate`, `/flush_cache`, `/v1/completions`, `/v1/chat/completions`,
-`/v1/models`, and SGLang's dynamic LoRA: `/load_lora_adapter`, `/unload_lora_adapter`, `lora_path` on `/generate`).
+`/v1/models`, SGLang's dynamic LoRA: `/load_lora_adapter`, `/unload_lora_adapter`, `lora_path` on `/generate`, and
+`/pause_generation`, `/continue_generation`).
 Two model slots: the policy at `/` and, under `/ref/...`, a second model (the reference, `--ref-model-path`,
 default the same weights) that reloads independently, so one process can host both roles of a GRPO run.
 """

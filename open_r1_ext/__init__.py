@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "RemoteGRPOTrainer": "open_r1_ext.trainer.remote_trainer",
-    "RemoteGRPOConfig": "open_r1_ext.trainer.config",
+    "RemoteGRPOConfig": "open_r1_ext.config.grpo_config",
     "SGLangClient": "open_r1_ext.sglang_client",
 }
 

@@ -20,22 +20,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-
-def add_recipe_arguments(parser: argparse.ArgumentParser, server_urls: bool = False) -> None:
-    """The recipe options every command shares: `--set`, and with `server_urls` the servers' URLs (training)."""
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a recipe value, e.g. --set trainer.max_steps=5 (repeatable)")
-    if server_urls:
-        parser.add_argument("--server-url", action="append", metavar="URL",
-                            help="generation server (and the reference's, with reference: generation); repeat it for a "
-                                 "pool of replicas")
-        parser.add_argument("--ref-url", action="append", metavar="URL",
-                            help="reference server, when the reference has servers of its own (repeatable)")
-        parser.add_argument("--server-dir", metavar="DIR",
-                            help="address directory of the generation replicas (<name>.addr files, one host:port "
-                                 "each): a pool they join and leave")
-        parser.add_argument("--ref-dir", metavar="DIR",
-                            help="address directory of the reference's replicas, when it has servers of its own")
+from open_r1_ext.config.arguments import add_recipe_arguments
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -47,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Each recipe as the launchers would take it (schema, values, then the job plan); a problem is a `FILE: key:
     message` line, never a traceback."""
-    from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.config.recipe import RecipeError, load_recipe
     from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
 
     failed = 0
@@ -74,7 +59,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_new_recipe(args: argparse.Namespace) -> int:
     """Copy a recipe for another model: the model id and its short name (output dir, sync dir, job name) change;
     comments and everything else stay, for the user to adjust (GPU counts, batch sizes)."""
-    from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.config.recipe import RecipeError, load_recipe
 
     source = Path(args.source)
     try:
@@ -104,9 +89,9 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from open_r1_ext.launch.submitit_launcher import EXECUTORS, describe_launch, launch
-    from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.config.recipe import RecipeError, load_recipe
     from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
+    from open_r1_ext.launch.submitit_launcher import EXECUTORS, describe_launch, launch
 
     try:
         recipe = load_recipe(args.recipe, args.set)
@@ -124,8 +109,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_add_server(args: argparse.Namespace) -> int:
     """One more server replica for a running run (an sbatch job that joins the trainer's pool once healthy)."""
+    from open_r1_ext.config.recipe import RecipeError
     from open_r1_ext.launch.jobs import LaunchError, add_server
-    from open_r1_ext.launch.recipe import RecipeError
     from open_r1_ext.launch.slurm_plan import PlanError
 
     try:

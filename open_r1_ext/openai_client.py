@@ -2,13 +2,16 @@
 
 Once, at start-up, a one-token probe finds out what the server can do (`ServerAbilities`) and the client adapts:
 prompts go out as token ids, else as text (decoded once, with a one-time warning that this is lossy); `n` copies in
-one request, else one request per copy; completions come back as token ids where the server says them (SGLang's
-`return_token_ids` -> `choices[i].token_ids`, vLLM's `return_tokens_as_token_ids` -> `"token_id:N"` tokens), else
-the text is re-tokenized with the trainer's tokenizer (lossy, warned once); sampling log-probs are used where given.
-With `seeds`, each copy is a request of its own with its own `seed` (an OpenAI `seed` is per request, and SGLang gives
-it to every copy, so `n` copies in one seeded request would all be the same sample). A server error (5xx) is retried a
-few times only: the same validation error each time should not stall training for minutes. Same `generate(...)`
-signature as `SGLangClient.generate`.
+one request, else one request per copy (said once); completions come back as token ids where the server says them
+(SGLang's `return_token_ids` -> `choices[i].token_ids`, vLLM's `return_tokens_as_token_ids` -> `"token_id:N"`
+tokens), else the text is re-tokenized with the trainer's tokenizer (lossy, warned once); sampling log-probs are used
+where given, and the weight version where the server says it (SGLang's `metadata.weight_version`). The sampling
+settings go out under their `/v1/completions` names (`protocol.completions_sampling`); `check_sampling` refuses, before
+training, those a server cannot be sent. A choice the server aborted (`finish_reason: "abort"`, partial output) is asked
+again, as `SGLangClient` does on `/generate`, never returned. With `seeds`, each copy is a request of its own with its
+own `seed` (an OpenAI `seed` is per request, and SGLang gives it to every copy, so `n` copies in one seeded request
+would all be the same sample). A server error (5xx) is retried a few times only: the same validation error each time
+should not stall training for minutes. Same `generate(...)` signature as `SGLangClient.generate`.
 """
 
 from __future__ import annotations
@@ -21,11 +24,20 @@ from typing import Optional, Sequence
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from open_r1_ext.protocol import Completion, completion_from_choice, completions_request, finish_reason_of_choice
+from open_r1_ext.protocol import (
+    Completion,
+    completion_from_choice,
+    completions_request,
+    completions_sampling,
+    completions_weight_version,
+    finish_reason_of_choice,
+)
 from open_r1_ext.sglang_client import (
+    ABORT_RETRIES,
     DEFAULT_BACKOFF_FACTOR,
     DEFAULT_MAX_RETRIES,
     DEFAULT_REQUEST_TIMEOUT,
+    AbortedRequestError,
     SGLangClient,
     ServerError,
 )
@@ -66,8 +78,9 @@ class OpenAICompletionsClient:
         >>> client.wait_until_healthy()  # then probes the server once
         >>> client.abilities
         ServerAbilities(token_id_prompts=True, n_in_one_request=True, token_ids=True, logprobs=True, extensions=True)
+        >>> client.check_sampling({"max_new_tokens": 4, "temperature": 1.0, "min_p": 0.05})  # raises if it cannot
         >>> client.generate([[1, 2, 3]], {"max_new_tokens": 4, "temperature": 1.0}, n=2, seeds=[0, 1])
-        [[Completion(token_ids=[17, 3, ...], logprobs=[...], finish_reason='length', weight_version=None), ...]]
+        [[Completion(token_ids=[17, 3, ...], logprobs=[...], finish_reason='length', weight_version='default'), ...]]
         ```
     """
 
@@ -108,16 +121,20 @@ class OpenAICompletionsClient:
         if self._abilities is None:
             self._abilities = self._probe()
             logger.info("%s/v1/completions: %s", self.base_url, self._abilities)
+            if not self._abilities.n_in_one_request:
+                logger.warning("%s/v1/completions answers one choice per prompt whatever `n`: each copy is asked in a "
+                               "request of its own.", self.base_url)
         return self._abilities
 
     def _probe(self) -> ServerAbilities:
-        """Ask for one token, two copies, with token ids and log-probs, as ids then as text, with the extensions and
-        without; what the first accepted form gives back says what the server can do. A form the server refuses or
-        fails on (after the few 5xx retries) is skipped; if it takes none, the error lists every answer."""
+        """Ask for one token, two copies, with token ids and log-probs: prompts as ids then as text with the
+        extensions, then as ids and as text without them; what the first accepted form gives back says what the
+        server can do. A form the server refuses or fails on (after the few 5xx retries) is skipped; if it takes none,
+        the error lists every answer."""
         ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"][:1] or [0]
         sampling = {"max_new_tokens": 1, "temperature": 1.0}
         refusals = []
-        for token_id_prompts, extensions in ((True, True), (False, True), (False, False)):
+        for token_id_prompts, extensions in ((True, True), (False, True), (True, False), (False, False)):
             body = completions_request(self.model, [ids], sampling, n=2, seed=None, extensions=extensions)
             if not token_id_prompts:
                 body["prompt"] = [PROBE_TEXT]
@@ -167,17 +184,60 @@ class OpenAICompletionsClient:
                     groups[index].append(completion)
         return groups
 
+    def check_sampling(self, sampling: dict) -> None:
+        """Refuse, before anything is generated, sampling settings (SGLang `sampling_params`) this server cannot be
+        sent: those SGLang's `/v1/completions` has no field for, and SGLang's extensions (`top_k`, `min_p`,
+        `repetition_penalty`, `min_new_tokens`, ...) to a server that refused them at the probe. Only `stop_token_ids`
+        is left out with a warning (such a server stops at the model's own end-of-sequence tokens)."""
+        _, left_out = completions_sampling(sampling, self.abilities.extensions)
+        if "stop_token_ids" in left_out:
+            left_out.remove("stop_token_ids")
+            self._warn_once("stop_token_ids", "%s/v1/completions refuses fields beyond OpenAI's: stop_token_ids are not "
+                            "sent (the server stops at the model's own end-of-sequence tokens).", self.base_url)
+        if left_out:
+            settings = ", ".join(f"{key}={sampling[key]!r}" for key in left_out)
+            raise ValueError(
+                f"{self.base_url}/v1/completions cannot be sent {settings}: "
+                + ("SGLang's /v1/completions has no such field" if self.abilities.extensions else
+                   "the server refused fields beyond OpenAI's at the start-up probe")
+                + ". Leave them at their defaults (GRPOConfig's top_k, min_p, repetition_penalty, or generation_kwargs), "
+                "or generate with generation_backend: sglang.")
+
     def _call(self, prompts, texts, sampling: dict, indices: list[int], n: int, seed: Optional[int]) -> list[Completion]:
+        """One request: `n` choices of each prompt of `indices`. Choices the server aborted (SGLang answers an abort
+        with `finish_reason: "abort"` and the partial output, `serving_completions.py` ~604-611) are asked again,
+        `ABORT_RETRIES` times, then `AbortedRequestError`: a partial completion is never trained on."""
+        completions = self._ask(prompts, texts, sampling, indices, n, seed)
+        for attempt in range(ABORT_RETRIES + 1):
+            aborted = [k for k, completion in enumerate(completions) if completion.finish_reason == "abort"]
+            if not aborted:
+                return completions
+            if attempt == ABORT_RETRIES:
+                raise AbortedRequestError(
+                    f"{self.base_url}/v1/completions aborted {len(aborted)} of {len(completions)} choice(s) "
+                    f"{ABORT_RETRIES + 1} times; their partial output is not trained on. See the server's log for why "
+                    "it aborts requests.")
+            logger.warning("%s/v1/completions aborted %d choice(s): asking for them again", self.base_url, len(aborted))
+            again = self._ask(prompts, texts, sampling, [indices[k // n] for k in aborted], 1, seed)
+            for k, completion in zip(aborted, again):
+                completions[k] = completion
+        return completions
+
+    def _ask(self, prompts, texts, sampling: dict, indices: list[int], n: int, seed: Optional[int]) -> list[Completion]:
         body = completions_request(self.model, [prompts[i] for i in indices], sampling, n, seed,
                                    extensions=self.abilities.extensions)
         if texts is not None:
             body["prompt"] = [texts[i] for i in indices]
         answer = self.http.post_json("/v1/completions", body)
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        if len(choices) != len(indices) * n:
-            raise ServerError(f"{self.base_url}/v1/completions returned {len(choices)} choices for {len(indices)} "
-                              f"prompts x n={n}")
-        return [self._completion(c, limit=body["max_tokens"]) for c in choices]
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or len(choices) != len(indices) * n:
+            count = len(choices) if isinstance(choices, list) else "no"
+            hint = " (it ignores n)" if n > 1 and count == len(indices) else ""
+            raise ServerError(f"{self.base_url}/v1/completions returned {count} choices for {len(indices)} prompt(s) "
+                              f"x n={n}{hint}: expected {len(indices) * n}")
+        choices = [c for _, c in sorted(enumerate(choices), key=lambda p: (p[1].get("index", p[0]), p[0]))]
+        version = completions_weight_version(answer)
+        return [self._completion(c, version, limit=body["max_tokens"]) for c in choices]
 
     def _as_text(self, prompts: Sequence[Sequence[int]]) -> list[str]:
         self._warn_once("prompts", "%s takes text prompts only: the prompts are decoded to text and the server "
@@ -189,10 +249,10 @@ class OpenAICompletionsClient:
             self._warned.add(key)
             logger.warning(message, *args)
 
-    def _completion(self, choice: dict, limit: Optional[int] = None) -> Completion:
+    def _completion(self, choice: dict, weight_version: Optional[str] = None, limit: Optional[int] = None) -> Completion:
         """The choice's ids as the server said them, else its text re-tokenized (at most `limit` ids: re-tokenizing
         can give more ids than were sampled, e.g. for bytes that are no whole character)."""
-        completion = completion_from_choice(choice)
+        completion = completion_from_choice(choice, weight_version)
         if completion is not None:
             return completion
         self._warn_once(
@@ -204,4 +264,4 @@ class OpenAICompletionsClient:
         reason = finish_reason_of_choice(choice)
         if reason == "stop" and self.tokenizer.eos_token_id is not None:
             ids = ids + [self.tokenizer.eos_token_id]
-        return Completion(ids, None, reason, None)
+        return Completion(ids, None, reason, weight_version)

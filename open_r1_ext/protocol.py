@@ -548,34 +548,70 @@ def unload_lora_request(lora_name: str) -> dict:
     return {"lora_name": str(lora_name)}
 
 
+# SGLang `sampling_params` keys as SGLang 0.5.23's `/v1/completions` fields (`entrypoints/openai/protocol.py` ~367-408;
+# `serving_completions.py` ~150-175 builds `sampling_params` back from them): the same name unless renamed here. Those
+# in `OPENAI_COMPLETIONS_FIELDS` are OpenAI's own, every compatible server takes them; the others are SGLang's
+# extensions (vLLM takes the common ones: `top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, ...).
+# `max_new_tokens`, `n` and `sampling_seed` are the request's own (`max_tokens`, `n`, `seed`).
+COMPLETIONS_RENAMED = {"min_new_tokens": "min_tokens"}
+OPENAI_COMPLETIONS_FIELDS = ("temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "logit_bias")
+COMPLETIONS_EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "stop_regex",
+                          "no_stop_trim", "ignore_eos", "skip_special_tokens", "json_schema", "regex", "ebnf",
+                          "custom_params", "watermark")
+# What a setting is when it does nothing: left out of a request (and so never refused by a strict server).
+NEUTRAL_SAMPLING = {"top_k": (-1, 0), "min_p": (0.0,), "min_tokens": (0,), "repetition_penalty": (1.0,),
+                    "stop_token_ids": ((), []), "presence_penalty": (0.0,), "frequency_penalty": (0.0,)}
+REQUEST_OWN = ("max_new_tokens", "n", "sampling_seed")
+
+
+def completions_field(key: str) -> Optional[str]:
+    """The `/v1/completions` field of the SGLang `sampling_params` key `key`; None if SGLang's `/v1/completions` has
+    none (e.g. `structural_tag`, `beam_width`, `spaces_between_special_tokens`, `stream_interval`)."""
+    name = COMPLETIONS_RENAMED.get(key, key)
+    return name if name in OPENAI_COMPLETIONS_FIELDS or name in COMPLETIONS_EXTENSIONS else None
+
+
+def completions_sampling(sampling: dict, extensions: bool = True) -> tuple[dict, list[str]]:
+    """`sampling` (SGLang `sampling_params`) as `/v1/completions` fields, and the keys of the settings left out: those
+    SGLang's `/v1/completions` has no field for, and, without `extensions` (a strict OpenAI server), SGLang's
+    extensions. Settings at their neutral value (`top_k: -1`, `repetition_penalty: 1.0`, ...) are not sent."""
+    fields, left_out = {}, []
+    for key, value in sampling.items():
+        name = completions_field(key)
+        if key in REQUEST_OWN or value is None or (name is not None and value in NEUTRAL_SAMPLING.get(name, ())):
+            continue
+        if name is None or (name not in OPENAI_COMPLETIONS_FIELDS and not extensions):
+            left_out.append(key)
+        else:
+            fields[name] = value
+    return fields, left_out
+
+
 def completions_request(model: str, prompts: Sequence[Sequence[int]], sampling: dict, n: int,
                         seed: Optional[int], extensions: bool = True) -> dict:
-    """OpenAI `/v1/completions` body for SGLang-style `sampling` (`sampling_params` above), asking for the sampled
-    tokens' log-probs and, with `extensions`, their ids both ways servers say them: SGLang's `return_token_ids` and
-    vLLM's `return_tokens_as_token_ids` (each server ignores the other's), plus `top_k` and `stop_token_ids`."""
+    """OpenAI `/v1/completions` body for SGLang-style `sampling` (`sampling_params` above, each setting under its
+    `/v1/completions` name: `completions_sampling`), asking for the sampled tokens' log-probs and, with `extensions`,
+    their ids both ways servers say them: SGLang's `return_token_ids` and vLLM's `return_tokens_as_token_ids` (each
+    server ignores the other's), with special tokens kept in the text."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": [list(map(int, p)) for p in prompts],
         "n": n,
         "max_tokens": int(sampling.get("max_new_tokens", 128)),
-        "temperature": float(sampling.get("temperature", 1.0)),
-        "top_p": float(sampling.get("top_p", 1.0)),
         "logprobs": 0,
     }
     if extensions:
         body.update(return_token_ids=True, return_tokens_as_token_ids=True, skip_special_tokens=False)
-        if sampling.get("top_k", -1) > 0:
-            body["top_k"] = int(sampling["top_k"])
-        if sampling.get("stop_token_ids"):
-            body["stop_token_ids"] = list(sampling["stop_token_ids"])
+    body.update(completions_sampling(sampling, extensions)[0])
     if seed is not None:
         body["seed"] = int(seed) % (2**31)
     return body
 
 
-def completion_from_choice(choice: dict) -> Optional[Completion]:
+def completion_from_choice(choice: dict, weight_version: Optional[str] = None) -> Optional[Completion]:
     """An OpenAI choice as a `Completion` when the server said its token ids (SGLang's `token_ids`, or vLLM's
-    `"token_id:N"` tokens); None if it gave text only. Log-probs when given, one per token."""
+    `"token_id:N"` tokens); None if it gave text only. Log-probs when given, one per token; `weight_version`: the
+    answer's (`completions_weight_version`)."""
     logprobs = choice.get("logprobs") or {}
     values = logprobs.get("token_logprobs")
     ids = choice.get("token_ids")
@@ -586,7 +622,15 @@ def completion_from_choice(choice: dict) -> Optional[Completion]:
         ids = [int(t[len(TOKEN_ID_PREFIX):]) for t in tokens]
     usable = isinstance(values, list) and len(values) == len(ids) and all(isinstance(v, (int, float)) for v in values)
     return Completion(list(map(int, ids)), [float(v) for v in values] if usable else None,
-                      finish_reason_of_choice(choice), None)
+                      finish_reason_of_choice(choice), weight_version)
+
+
+def completions_weight_version(answer: dict) -> Optional[str]:
+    """The weight version a `/v1/completions` answer was sampled with: SGLang's `metadata.weight_version`
+    (`serving_completions.py` ~645, its first item's; a reload waits for the requests in flight, so every item's);
+    None from a server that does not say it."""
+    version = (answer.get("metadata") or {}).get("weight_version")
+    return None if version is None else str(version)
 
 
 def finish_reason_of_choice(choice: dict) -> str:

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
-from tqdm.auto import tqdm
 
 from open_r1_ext.protocol import Completion
 from open_r1_ext.sglang_client import (DEFAULT_BACKOFF_FACTOR, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_REQUEST_TIMEOUT,
                                        AbortedRequestError, ServerError, ServerRequestError, SGLangClient)
+from open_r1_ext.wait_progress import WaitProgress
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -301,8 +301,8 @@ class ServerPool:
         start = time.monotonic()
         logger.warning("%s: %d of min_replicas %d serving; waiting up to %.0f s for replicas to (re)join%s", self.role,
                        len(ready), self.min_replicas, timeout, self._lost_text())
-        with tqdm(total=None, desc=f"waiting for {self.role} replicas", unit="s", disable=not progress, leave=False,
-                  delay=2.0) as bar:
+        where = [*self.urls, *([f"address files in {self.directory}"] if self.directory is not None else [])]
+        with WaitProgress(f"{self.role} replicas ({', '.join(where)})", timeout, enabled=progress) as waiting:
             while len(ready) < self.min_replicas:
                 if time.monotonic() - start > timeout:
                     raise NoReplicaError(
@@ -312,7 +312,7 @@ class ServerPool:
                 time.sleep(0.2)
                 self._refresh()
                 ready = self._ready()
-                bar.update(round(time.monotonic() - start - bar.n))
+                waiting.update(f"{len(ready)} of min_replicas {self.min_replicas} serving")
         return ready
 
     def _lost_text(self) -> str:

@@ -24,10 +24,7 @@ import orjson
 import requests
 import torch
 from requests.adapters import HTTPAdapter
-from tqdm.auto import tqdm
 from urllib3.util.retry import Retry
-
-from open_r1_ext.weight_files import MANIFEST, WeightFileError, check_manifest
 
 from open_r1_ext.protocol import (
     Completion,
@@ -40,6 +37,8 @@ from open_r1_ext.protocol import (
     update_weights_request,
     with_seed,
 )
+from open_r1_ext.wait_progress import WaitProgress
+from open_r1_ext.weight_files import MANIFEST, WeightFileError, check_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -212,11 +211,10 @@ class SGLangClient:
 
     def wait_until_healthy(self, timeout: float = 600.0, poll_interval: float = 1.0, progress: bool = True,
                            route: str = "/health") -> None:
-        """Block until `route` answers 200, showing elapsed time; raise `ServerError` after `timeout` seconds."""
+        """Block until `route` answers 200, showing the time waited (`WaitProgress`: a bar on a terminal, a line every
+        10 s in a log file); raise `ServerError` after `timeout` seconds."""
         start = time.monotonic()
-        # the bar shows only once the wait is long (delay): a server that is already up prints nothing
-        with tqdm(total=None, desc=f"waiting for {self.base_url}", unit="s", disable=not progress, leave=False,
-                  delay=2.0) as bar:
+        with WaitProgress(f"{self.base_url}{route}", timeout, enabled=progress) as waiting:
             while not self.is_healthy(route=route):
                 elapsed = time.monotonic() - start
                 if elapsed > timeout:
@@ -225,7 +223,7 @@ class SGLangClient:
                         "(is the server job running, and is the URL right?)"
                     )
                 time.sleep(poll_interval)
-                bar.update(round(time.monotonic() - start - bar.n))
+                waiting.update()
 
     def model_info(self) -> dict:
         """`/model_info` (SGLang's `/get_model_info` is deprecated and logs a warning per call)."""

@@ -26,8 +26,9 @@ from typing import Iterator, Optional, Union
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from open_r1_ext.config.arguments import add_recipe_arguments
+from open_r1_ext.config.recipe import Recipe, RecipeError, ServerSpec, load_recipe
 from open_r1_ext.launch.jobs import SIGTERM_EXIT
-from open_r1_ext.launch.recipe import Recipe, RecipeError, ServerSpec, load_recipe
 from open_r1_ext.launch.run_key import key_file, read_run_key, write_run_key
 from open_r1_ext.launch.run_status import METRICS_FILE
 from open_r1_ext.sglang_client import ServerError
@@ -38,8 +39,6 @@ URLs = Union[str, list[str], None]  # a server's URL, or several: a pool of repl
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from open_r1_ext.cli import add_recipe_arguments
-
     parser = argparse.ArgumentParser(prog="python -m open_r1_ext.train", description="GRPO with a remote reference and generation.")
     parser.add_argument("--config", required=True, help="the recipe YAML")
     add_recipe_arguments(parser, server_urls=True)
@@ -117,7 +116,7 @@ def save_traceback(recipe: Recipe) -> Path:
 
 
 def build_rewards(recipe: Recipe) -> list:
-    from open_r1_ext.trainer.rewards import resolve_reward
+    from open_r1_ext.rewards import resolve_reward
 
     funcs = []
     for spec in recipe.rewards:

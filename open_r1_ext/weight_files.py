@@ -35,6 +35,7 @@ INDEX = "model.safetensors.index.json"
 # Present while a dump is being written; removed just before the rename that publishes it.
 INCOMPLETE = "WRITE_IN_PROGRESS"
 TEMPORARY = ".tmp-"  # `.step-7.tmp-<pid>`: a dump being written; removed at the next start if a crash left it
+DEFAULT_BUCKET_MB = 1024.0  # a dump's largest shard by default: `sync.bucket_mb` (RemoteGRPOConfig.bucket_mb)
 CHECKSUM = "xxh3_128"  # ~10 GB/s in memory here, 9x sha256; it guards against damage, not against an attacker
 
 

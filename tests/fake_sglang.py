@@ -102,6 +102,27 @@ class FakeSGLang:
             meta["input_token_logprobs"] = [[None if i == 0 else -2.0, t, None] for i, t in enumerate(ids)]
         return {"text": "", "output_ids": output, "meta_info": meta}
 
+    def completions(self, body: dict) -> tuple[int, dict]:
+        """`/v1/completions` with token-id prompts (`entrypoints/openai/serving_completions.py` ~560-646): `n` choices
+        per prompt, prompt-major; `token_ids` with `return_token_ids`; the sampled tokens' log-probs with `logprobs`;
+        an aborted item answers `finish_reason: "abort"` with its partial output (~604-611, as real SGLang 0.5.23 on
+        the CPU answered a request cut by `/abort_request`); `metadata.weight_version` (~645). Unknown fields are
+        dropped (its request model ignores them)."""
+        prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+        choices = []
+        for ids in prompts:
+            for _ in range(body.get("n", 1)):
+                item = self._one(ids, body.get("max_tokens", 16), {"return_logprob": True})
+                meta = item["meta_info"]
+                logprobs = {"tokens": [f"t{t}" for t in item["output_ids"]],
+                            "token_logprobs": [e[0] for e in meta["output_token_logprobs"]]}
+                text = "".join(chr(ord("a") + t % 26) for t in item["output_ids"])
+                choices.append({"index": len(choices), "text": text, "finish_reason": meta["finish_reason"]["type"],
+                                "logprobs": logprobs if body.get("logprobs") is not None else None,
+                                "token_ids": item["output_ids"] if body.get("return_token_ids") else None})
+        return 200, {"object": "text_completion", "model": body.get("model"), "choices": choices,
+                     "metadata": {"weight_version": self.weight_version}}
+
     def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
         # Unknown keys (e.g. mixup_alpha) are dropped (utils/msgspec_utils.py ~95-99); the loader takes whatever
         # tensors the directory holds and reports success (weight_updater.py ~174-255).
@@ -174,6 +195,8 @@ class FakeSGLang:
         routes = {("GET", "/health"): lambda: (200, ""), ("GET", "/model_info"): lambda: (200, self.model_info()),
                   ("GET", "/server_info"): lambda: (200, self.server_info()),
                   ("POST", "/generate"): lambda: self.generate(body),
+                  ("GET", "/v1/models"): lambda: (200, {"object": "list", "data": [{"id": "fake/model", "object": "model"}]}),
+                  ("POST", "/v1/completions"): lambda: self.completions(body),
                   ("POST", "/update_weights_from_disk"): lambda: self.update_weights_from_disk(body),
                   ("POST", "/load_lora_adapter"): lambda: self.load_lora_adapter(body),
                   ("POST", "/unload_lora_adapter"): lambda: self.unload_lora_adapter(body),

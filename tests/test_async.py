@@ -86,7 +86,7 @@ def test_rewards_rise_in_both_modes(tiny_model, server, tmp_path):
     (dict(async_generation=True, generation_url="http://x:1", weight_sync_steps=2), "needs weight_sync_steps=1"),
 ])
 def test_async_config_errors(tmp_path, overrides, message):
-    from open_r1_ext.trainer.config import RemoteGRPOConfig
+    from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 
     with pytest.raises(ValueError, match=message):
         RemoteGRPOConfig(**tiny_settings(tmp_path, **overrides))

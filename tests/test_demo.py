@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from open_r1_ext.launch.run_plot import DPI, FIGSIZE, PANELS
+from open_r1_ext.launch.run_plot import DPI, FIGSIZE, PANELS, flat_rewards
+from open_r1_ext.launch.run_status import run_metrics
 from tests.slurm_helpers import RECIPE, REPO
 
 STEPS = 30  # the recipe's max_steps
@@ -83,6 +84,8 @@ def test_plot_of_the_demo(demo_run, tmp_path):
     assert (width, height) == (FIGSIZE[0] * DPI, FIGSIZE[1] * DPI)
     drawn = result.stdout.strip().split("; panels: ", 1)[1].split(", ")
     assert drawn == list(PANELS)  # every panel has data: rewards, KL, loss, step time, sync time, staleness
+    steps, _ = run_metrics(run_dir)
+    assert flat_rewards(steps) == {"accuracy": 0.0}  # labelled on the plot; target_token, which it learns, is not
 
 
 def test_status_and_plot_without_metrics_read_the_checkpoint(demo_run, tmp_path):

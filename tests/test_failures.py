@@ -2,18 +2,26 @@
 next), the traceback in a file, the failing step's metrics logged, a checkpoint to resume from; and one retry budget
 per failure (a reload does not multiply the client's retries). Real server processes and the real tiny model."""
 
+import contextlib
+import fcntl
+import os
+import pty
+import re
+import struct
 import subprocess
+import sys
+import termios
 from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 
 import pytest
 
 from open_r1_ext import RemoteGRPOTrainer
-from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.launch.local_server import BuiltinServer, free_port
 from open_r1_ext.sglang_client import SGLangClient, ServerError
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError
-from tests.helpers import (KillServerAt, children, http_server, reward_len, start_training, step_lines, tiny_config,
-                           tiny_dataset, tiny_recipe)
+from tests.helpers import (REPO, KillServerAt, children, http_server, reward_len, start_training, step_lines,
+                           tiny_config, tiny_dataset, tiny_recipe)
 
 
 class Unavailable(BaseHTTPRequestHandler):
@@ -79,3 +87,45 @@ def test_train_ends_with_a_short_message_and_the_traceback_in_a_file(tmp_path, t
     assert f"(traceback in {run}/traceback.log)" in err
     assert "run the same command again once the server answers again" in err
     assert "Traceback" in (run / "traceback.log").read_text()
+
+
+def test_waiting_for_a_dead_server_writes_a_line_every_10_s_to_a_log_file(tmp_path, tiny_model):
+    """`open-r1-ext train` against a port where nothing listens, its output a file (a SLURM log): a line every 10 s
+    naming the URL it waits for (not a bar redrawn every second: 25 lines in 25 s), then the error."""
+    recipe = tiny_recipe(tmp_path, tiny_model)
+    url = f"http://127.0.0.1:{free_port()}"
+    log = tmp_path / "slurm-train.out"
+    with open(log, "w") as out:
+        code = subprocess.run([sys.executable, "-m", "open_r1_ext.cli", "train", str(recipe), "--server-url", url,
+                               "--set", "trainer.server_wait_timeout=25"], cwd=REPO, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=600).returncode
+    text = log.read_bytes().decode()
+    assert code == 1, text[-3000:]
+    naming = [line for line in text.splitlines() if url in line]  # lines as a viewer splits them: at \n and \r
+    waits = [line for line in text.split("\n") if re.fullmatch(  # the reference (in the server's /ref slot) first
+        rf"\[\d\d:\d\d:\d\d\] waiting for {url}(/ref)?/health \(\d+ s of at most 25 s\)", line)]
+    assert 2 <= len(waits) <= 4, text[-3000:]  # at ~2, 12 and 22 s: whole lines, no bar redrawn with \r
+    assert len(naming) <= len(waits) + 2, naming  # and the error naming it
+    assert any(re.search(f"{url}(/ref)? did not become healthy within 25 s", line) for line in naming), text[-3000:]
+
+
+def test_waiting_on_a_terminal_keeps_the_bar():
+    """The same wait with stderr on a terminal (a pseudo-terminal here): tqdm's bar, redrawn in place, no lines."""
+    url = f"http://127.0.0.1:{free_port()}"
+    code = ("from open_r1_ext.sglang_client import SGLangClient, ServerError\n"
+            f"try:\n    SGLangClient({url!r}).wait_until_healthy(timeout=5, poll_interval=0.5)\n"
+            "except ServerError as err:\n    print('gave up:', err)\n")
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal 120 columns wide
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=follower, stderr=follower)
+    os.close(follower)
+    chunks = []
+    with contextlib.suppress(OSError):  # EIO once the child closed the terminal
+        while chunk := os.read(leader, 4096):
+            chunks.append(chunk)
+    os.close(leader)
+    assert process.wait(timeout=60) == 0
+    text = b"".join(chunks).decode(errors="replace")
+    assert f"gave up: {url} did not become healthy within 5 s" in text, text
+    assert f"\rwaiting for {url}/health: 00:02 of at most 5 s" in text, text  # the bar, redrawn in place
+    assert "] waiting for" not in text  # no log lines

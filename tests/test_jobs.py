@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
+from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch import jobs
 from open_r1_ext.launch.jobs import (SUBMITIT, JobContext, JobRef, JobWatch, LaunchError, end_run, register_jobs,
                                      run_trainer_job)
-from open_r1_ext.launch.recipe import load_recipe
 from open_r1_ext.launch.slurm_plan import POLL_S, TRAINER, SlurmPlan
 from tests.slurm_helpers import RECIPE, REPO
 

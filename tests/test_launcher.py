@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from open_r1_ext.launch.recipe import load_recipe
+from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch.slurm_plan import SlurmPlan
 from open_r1_ext.launch.submitit_launcher import EXECUTORS, TrainerTask, launch
 from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, job_env, run_script, wait_until

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.config.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.local_server import BuiltinServer
-from open_r1_ext.launch.recipe import RecipeError, load_recipe
 from open_r1_ext.protocol import sampling_params
 from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
 from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE, WeightSync

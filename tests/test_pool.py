@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from open_r1_ext import RemoteGRPOTrainer, cli
+from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch.local_server import BuiltinServer
-from open_r1_ext.launch.recipe import load_recipe
 from open_r1_ext.server_pool import NoReplicaError, ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.train import pool_settings

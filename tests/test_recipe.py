@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from open_r1_ext.launch.recipe import RecipeError, load_recipe
+from open_r1_ext.config.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.slurm_plan import ShellVar, SlurmPlan, shell_join
 from open_r1_ext.train import servers
 from tests.helpers import REPO

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
+from open_r1_ext.config.recipe import RecipeError, load_recipe
 from open_r1_ext.launch import jobs
 from open_r1_ext.launch.jobs import (JobRef, JobWatch, LaunchError, add_server, node_port, read_jobs_file,
                                      register_jobs, submit_run, wait_for_replicas)
-from open_r1_ext.launch.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.run_status import format_status, run_status
 from open_r1_ext.launch.slurm_plan import PlanError, RunFiles, SlurmPlan
 from tests.slurm_helpers import RECIPE, REPO

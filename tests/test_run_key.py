@@ -12,9 +12,9 @@ import pytest
 import requests
 import yaml
 
+from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch.jobs import prepare_run_dir
 from open_r1_ext.launch.local_server import BuiltinServer, free_port
-from open_r1_ext.launch.recipe import load_recipe
 from open_r1_ext.launch.run_key import key_file, read_run_key
 from open_r1_ext.launch.slurm_plan import SERVER, SlurmPlan, argv
 from open_r1_ext.sglang_client import SGLangClient, ServerRequestError

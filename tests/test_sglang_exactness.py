@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.config.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.local_server import BuiltinServer
-from open_r1_ext.launch.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.slurm_plan import SlurmPlan
 from open_r1_ext.sglang_client import AbortedRequestError, IncompleteDumpError, ServerRequestError, SGLangClient
 from open_r1_ext.weight_files import MANIFEST, write_weight_dir

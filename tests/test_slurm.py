@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch.jobs import JobContext, node_command
-from open_r1_ext.launch.recipe import load_recipe
 from open_r1_ext.launch.slurm_plan import PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
 from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, run_script, slurm_state, wait_until
 

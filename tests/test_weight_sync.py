@@ -16,10 +16,10 @@ import torch
 from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
-from open_r1_ext.trainer.config import RemoteGRPOConfig
-from open_r1_ext.weight_files import check_manifest, read_weight_dir, seal_weight_dir, write_weight_dir
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightDumpError, WeightSync, WeightSyncError, epochs_crossed
+from open_r1_ext.weight_files import check_manifest, read_weight_dir, seal_weight_dir, write_weight_dir
 from tests.helpers import model_variant, restore_default_weights, reward_len, tiny_config, tiny_dataset, tiny_settings
 
 FIXED_BATCH = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]

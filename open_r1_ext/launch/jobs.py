@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
+from open_r1_ext.config.arguments import add_recipe_arguments
 from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, SERVER_ROLES, SUBMITIT, TRAINER,
                                            RunFiles, SlurmPlan, argv, role_var)
 from open_r1_ext.launch.local_server import die_with_parent, free_port
@@ -649,7 +650,7 @@ def add_server(run_dir: Path, role: str = SERVER, index: int = 0, echo: Echo = l
     if trainer and not watch.alive(trainer[0]):
         raise LaunchError(f"the run's {trainer[0]} has ended ({watch.state(trainer[0])}): there is no run to join; "
                           "launch it again (it resumes from its last checkpoint)")
-    from open_r1_ext.launch.recipe import load_recipe
+    from open_r1_ext.config.recipe import load_recipe
 
     try:
         os.chdir(values["LAUNCH_DIR"])  # the recipe's relative paths are relative to where the run was launched
@@ -669,8 +670,7 @@ def add_server(run_dir: Path, role: str = SERVER, index: int = 0, echo: Echo = l
 
 # ---------------------------------------------------------------------------------- entry point
 def main(cli_args: Optional[list[str]] = None) -> int:
-    from open_r1_ext.cli import add_recipe_arguments
-    from open_r1_ext.launch.recipe import RecipeError, load_recipe
+    from open_r1_ext.config.recipe import RecipeError, load_recipe
     from open_r1_ext.launch.slurm_plan import PlanError
 
     parser = argparse.ArgumentParser(prog="python -m open_r1_ext.launch.jobs", description=__doc__.splitlines()[0])

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from open_r1_ext.sglang_client import SGLangClient, ServerError
+from open_r1_ext.wait_progress import WaitProgress
 
 
 def die_with_parent() -> None:
@@ -75,14 +76,16 @@ class LocalServer:
         client = SGLangClient(self.url)
         deadline = time.monotonic() + self.startup_timeout
         where = f"; see {self.log_path}" if self.log_path else ""
-        while not client.is_healthy(timeout=2.0):
-            code = self.process.poll()
-            if code is not None:
-                raise ServerError(f"{self.name} for {self.model_path} exited with code {code} while starting{where}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerError(f"{self.name} for {self.model_path} not healthy after {self.startup_timeout:.0f} s{where}")
-            time.sleep(0.25)
+        with WaitProgress(f"the {self.name} at {self.url}/health to start{where}", self.startup_timeout) as waiting:
+            while not client.is_healthy(timeout=2.0):
+                code = self.process.poll()
+                if code is not None:
+                    raise ServerError(f"{self.name} for {self.model_path} exited with code {code} while starting{where}")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ServerError(f"{self.name} for {self.model_path} not healthy after {self.startup_timeout:.0f} s{where}")
+                time.sleep(0.25)
+                waiting.update()
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

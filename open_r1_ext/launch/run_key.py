@@ -18,10 +18,9 @@ from typing import Callable, Optional
 
 import yaml
 
-from open_r1_ext.launch.recipe import Recipe
+from open_r1_ext.config.recipe import Recipe
 
 logger = logging.getLogger(__name__)
-NO_KEY = "none"
 FLAG = "api-key"  # the servers' flag, as the file's one key
 
 
@@ -29,17 +28,12 @@ def key_file(run_dir: Path) -> Path:
     return Path(run_dir) / "api_key.yaml"  # .yaml: SGLang's --config takes no other suffix
 
 
-def uses_key(recipe: Recipe) -> bool:
-    """False only for `servers.api_key: none` (unset is a per-run key)."""
-    return recipe.servers.api_key is None or recipe.servers.api_key.lower() != NO_KEY
-
-
 def write_run_key(recipe: Recipe, run_dir: Path, warn: Callable[[str], None] = logger.warning) -> Optional[Path]:
     """A launch's key file: the recipe's key, else a new random one (256 bits). With `api_key: none` none is
     written (an old one is removed) and `warn` says what that leaves open. Returns the file, or None."""
     path = key_file(run_dir)
     path.unlink(missing_ok=True)
-    if not uses_key(recipe):
+    if not recipe.servers.uses_key:
         warn(f"{recipe.path}: servers.api_key: none: the servers started for this run accept every client that reaches "
              "their port, including /update_weights_from_disk; remove the key to get a per-run one")
         return None
@@ -55,7 +49,7 @@ def write_run_key(recipe: Recipe, run_dir: Path, warn: Callable[[str], None] = l
 
 def read_run_key(recipe: Recipe, run_dir: Path) -> Optional[str]:
     """The key the trainer sends: the recipe's, else the run's key file's (None without either, or with `none`)."""
-    if not uses_key(recipe):
+    if not recipe.servers.uses_key:
         return None
     if recipe.servers.api_key:
         return recipe.servers.api_key

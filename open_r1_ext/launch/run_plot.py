@@ -1,10 +1,10 @@
 """`open-r1-ext plot RUN_DIR [-o FILE.png]`: one PNG of a run, drawn with matplotlib from its run directory.
 
-Six panels over the steps: reward (mean and spread, and each reward function's mean), KL, loss, the step time
-(stacked areas of the trainer's `timing/*` parts when it logs them, else each step's wall time), the weight sync's
-parts (dump, waiting for the reload, waiting for the seal), and the staleness of each batch. Reads the same files as `status` (`run_status.run_metrics`,
-rollouts.jsonl); imports no TRL.
-"""
+Six panels over the steps: reward (mean and spread, and each reward function's mean, labelled when it gave every
+completion the same score), KL, loss, the step time (stacked areas of the trainer's `timing/*` parts when it logs
+them, else each step's wall time), the weight sync's parts (dump, waiting for the reload, waiting for the seal), and
+the staleness of each batch. Reads the same files as `status` (`run_status.run_metrics`, rollouts.jsonl); imports
+no TRL."""
 
 from __future__ import annotations
 
@@ -24,6 +24,20 @@ def series(steps: list[dict], key: str) -> tuple[list[int], list[float]]:
     """`(steps, values)` of the logged steps that have `key`."""
     points = [(s["step"], s[key]) for s in steps if isinstance(s.get(key), (int, float))]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def flat_rewards(steps: list[dict]) -> dict[str, float]:
+    """The reward functions that gave every completion of every logged step the same score (`rewards/<name>/std` 0
+    throughout, the mean one value), with that score. The plot says so beside the flat line: it is no plotting error,
+    and GRPO learns nothing from such a reward (its advantages are all 0)."""
+    names = sorted({k.split("/")[1] for s in steps for k in s if k.startswith("rewards/") and k.endswith("/mean")})
+    flat = {}
+    for name in names:
+        _, mean = series(steps, f"rewards/{name}/mean")
+        _, spread = series(steps, f"rewards/{name}/std")
+        if len(mean) > 1 and len(spread) == len(mean) and not any(spread) and len(set(mean)) == 1:
+            flat[name] = mean[0]
+    return flat
 
 
 def parts(steps: list[dict], keys) -> dict[str, tuple[list[int], list[float]]]:
@@ -92,6 +106,10 @@ def plot_run(run_dir: Path, out: Path) -> list[str]:
     per_function = {k.split("/")[1]: series(steps, k) for k in sorted({k for s in steps for k in s})
                     if k.startswith("rewards/") and k.endswith("/mean")}
     draw("reward", {"mean": (x, mean), **per_function})
+    for name, score in flat_rewards(steps).items():
+        panels["reward"].annotate(f"{name}: {score:g} for every completion (no learning signal)",
+                                  xy=(per_function[name][0][-1], score), xytext=(0, 3), textcoords="offset points",
+                                  ha="right", va="bottom", fontsize="small")
     if x and len(spread) == len(mean):
         panels["reward"].fill_between(x, [m - s for m, s in zip(mean, spread)], [m + s for m, s in zip(mean, spread)],
                                       alpha=0.2, label="± std")

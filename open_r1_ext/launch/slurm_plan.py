@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from open_r1_ext.launch.recipe import Recipe, Resources, ServerSpec
-from open_r1_ext.launch.run_key import key_file, uses_key
+from open_r1_ext.config.recipe import Recipe, Resources, ServerSpec
+from open_r1_ext.launch.run_key import key_file
 
 SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
 SERVER_ROLES = {SERVER: "generation", REF_SERVER: "reference"}  # a server job's role in the recipe's `servers:`
@@ -256,7 +256,7 @@ class SlurmPlan:
             cmd += self.recipe.model.lora_server_flags()
         if server.engine == "builtin":  # /update_weights_from_disk reads only this run's dumps (SGLang has no such flag)
             cmd += ["--weight-dirs", self.recipe.sync_dir]
-        if uses_key(self.recipe):  # the run's key, from its owner-only file: never on the command line (run_key.py)
+        if self.recipe.servers.uses_key:  # the run's key, from its owner-only file: never on the command line (run_key.py)
             cmd += ["--config", key_file(self.files.run_dir)]
         return cmd + [str(a) for a in server.extra_args]
 

@@ -18,10 +18,10 @@ import submitit
 from submitit.helpers import Checkpointable, DelayedSubmission
 from submitit.local.local import LocalJob
 
+from open_r1_ext.config.recipe import Recipe
 from open_r1_ext.launch.jobs import (SIGTERM_EXIT, JobContext, JobRef, JobWatch, LaunchError, cancel,
                                      prepare_run_dir, raise_interrupt, read_jobs_file, record, register_jobs,
                                      run_server_job, run_trainer_job, wait_for_replicas)
-from open_r1_ext.launch.recipe import Recipe
 from open_r1_ext.launch.slurm_plan import POLL_S, SUBMITIT, TRAINER, SlurmPlan
 
 ExecutorFactory = Callable[[Path], submitit.Executor]

@@ -603,6 +603,12 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             return JSONResponse(status_code=404, content={"error": {"message": message, "type": "NotFoundError"}})
         return JSONResponse(card)
 
+    def weight_version_metadata() -> dict:
+        """The weights an OpenAI answer was sampled with, as SGLang says them (`serving_completions.py` ~645,
+        `serving_chat.py` ~3049) and as `/generate`'s `meta_info` does here (a reload runs after the batches queued
+        before it)."""
+        return {"weight_version": engine.weight_version}
+
     @app.post("/v1/completions")
     async def completions(obj: CompletionRequest, request: Request) -> Any:
         if text_only and not obj.text_prompts:
@@ -662,7 +668,8 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
         inputs = echo_inputs(*await run(tasks, to_score, detailed, request))
         choices = [completion_choice(engine, i, task, ask, echo_text(i), inputs[i // n]) for i, task in enumerate(tasks)]
-        return Response(orjson.dumps(body(choices, usage=usage(prompts, tasks))), media_type="application/json")
+        answer = body(choices, usage=usage(prompts, tasks), metadata=weight_version_metadata())
+        return Response(orjson.dumps(answer), media_type="application/json")
 
     def chat_prompt(obj: ChatCompletionRequest) -> list[int]:
         """The messages through the model's chat template, with the assistant's turn opened (as SGLang), then the
@@ -725,7 +732,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
         await run(tasks, [], [], request)
         choices = [chat_choice(engine, i, task, obj.logprobs, bool(top)) for i, task in enumerate(tasks)]
-        answer = body("chat.completion", choices, usage=usage([prompt], tasks), metadata=None)
+        answer = body("chat.completion", choices, usage=usage([prompt], tasks), metadata=weight_version_metadata())
         return Response(orjson.dumps(answer), media_type="application/json")
 
     return app

@@ -6,33 +6,10 @@ so reward functions receive them.
 
 from __future__ import annotations
 
-import csv
-import json
 from pathlib import Path
 
-from open_r1_ext.launch.recipe import DataSection, is_local_path
-
-LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def local_columns(path: Path) -> list[str]:
-    """The column names of a local data file, read from its first record (or header, or schema) only."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet
-
-        return list(pyarrow.parquet.read_schema(path).names)
-    with open(path, newline="", encoding="utf-8") as file:
-        if path.suffix == ".csv":
-            return next(csv.reader(file), [])
-        if path.suffix == ".jsonl":
-            first = next((line for line in file if line.strip()), "{}")
-            record = json.loads(first)
-        else:
-            data = json.load(file)
-            record = data[0] if isinstance(data, list) and data else data
-    if not isinstance(record, dict):
-        raise ValueError(f"a record is {type(record).__name__}, not an object with columns")
-    return list(record)
+from open_r1_ext.config.data_files import LOCAL_FORMATS
+from open_r1_ext.config.recipe import DataSection, is_local_path
 
 
 def load_prompts(section: DataSection):

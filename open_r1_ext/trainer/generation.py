@@ -21,11 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
+from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.openai_client import OpenAICompletionsClient
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, Completion, sampling_params
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
-from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightSync, WeightSyncError, adapter_name
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,17 @@ class RemoteGeneration:
         (what SGLang takes when it was started without `--context-length`)."""
         reported = self.client.context_length() if isinstance(self.client, (SGLangClient, ServerPool)) else None
         self.context_length = reported or getattr(model_config, "max_position_embeddings", None)
+
+    def check_sampling(self) -> None:
+        """At start-up, after the server's probe: an OpenAI-compatible server refuses now the sampling settings it
+        cannot be sent (`OpenAICompletionsClient.check_sampling`), rather than at the first batch."""
+        if isinstance(self.client, OpenAICompletionsClient):
+            self.client.check_sampling(self._sampling_params())
+
+    @property
+    def gives_sampling_logprobs(self) -> bool:
+        """Whether the server's completions carry sampling log-probs (an OpenAI-compatible one's probe says)."""
+        return not isinstance(self.client, OpenAICompletionsClient) or self.client.abilities.logprobs
 
     @contextlib.contextmanager
     def later_turns(self):

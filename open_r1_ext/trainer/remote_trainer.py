@@ -2,9 +2,11 @@
 
 It overrides narrow hooks of trl 1.16.0 and copies none of its loop: `_get_per_token_logps_and_entropies` takes
 the reference's log-probs from the server (requested ahead by `reference_prefetch.py` once the completions exist,
-collected in the loss once the policy's forward has run, `_compute_loss`); `_generate_single_turn`, `get_batch_samples` and a callback after each optimizer step
-call the remote generation object (`generation.py`: generation, look-ahead, weight sync targets). Each step's time
-is split into parts (`step_timing.py`) and logged with TRL's metrics.
+collected in the loss once the policy's forward has run, `_compute_loss`) and, at `temperature != 1`, gives the KL
+term the policy's and a local reference's log-probs at temperature 1 (`untempered_logps.py`); `_generate_single_turn`,
+`get_batch_samples` and a callback after each optimizer step call the remote generation object (`generation.py`:
+generation, look-ahead, weight sync targets). Each step's time is split into parts (`step_timing.py`) and logged with
+TRL's metrics.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
+from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, SGLangClient
-from open_r1_ext.trainer.config import RemoteGRPOConfig
 from open_r1_ext.trainer.generation import remote_generation, server_client
 from open_r1_ext.trainer.inflight import InFlightGeneration
 from open_r1_ext.trainer.reference_prefetch import ReferencePrefetch
 from open_r1_ext.trainer.step_timing import PARTS, StepTimer, StepTimingCallback
 from open_r1_ext.trainer.stop_signal import StopOnSignal
+from open_r1_ext.trainer.untempered_logps import at_temperature_one, laid_out
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightDumpError, WeightSync, WeightSyncError, epochs_crossed
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,18 @@ class LossReference:
 
     sequences: list[list[int]]
     rows: Optional[dict[tuple, torch.Tensor]] = None
+
+
+@dataclass
+class LossForward:
+    """The policy's forward in TRL's loss, awaited by `_get_per_token_logps_and_entropies`: the loss's inputs, whether
+    their reference is a placeholder to collect (prefetched), whether the KL term needs the policy at temperature 1;
+    once the forward ran, the reference log-probs as TRL laid them out (put back in the inputs after the loss)."""
+
+    inputs: dict
+    collect_reference: bool
+    untempered: bool
+    reference: Optional[torch.Tensor] = None
 
 
 class RemoteGRPOTrainer(GRPOTrainer):
@@ -108,11 +123,6 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self.reference_target = None
         if remote_reference:
             self.ref_model = RemoteReference(self.ref_client)
-            if args.temperature != 1.0:
-                logger.warning(
-                    "temperature=%s: the server's reference log-probs are unscaled (temperature 1), while TRL's local "
-                    "reference is scaled by the temperature; the KL term uses the unscaled reference.", args.temperature
-                )
             if sync_ref_model:
                 self.reference_target = SyncTarget("reference", self.ref_client, mixup_alpha=args.ref_model_mixup_alpha)
                 self.weight_sync.targets.append(self.reference_target)
@@ -123,7 +133,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
                                                         depth=args.max_weight_staleness + 2)
         self._deferred_reference = None  # see _generate_and_score_completions
         self._loss_references: dict[str, LossReference] = {}  # per mode ("train", "eval"): see _compute_loss
-        self._loss_inputs = None
+        self._loss_forward: Optional[LossForward] = None
         if args.in_flight_updates and self.weight_sync.adapter_only:
             raise ValueError("in_flight_updates=True with adapter-only LoRA sync: a request keeps the adapter it named "
                              "when it began, so pausing it for new weights would change nothing; set "
@@ -174,6 +184,9 @@ class RemoteGRPOTrainer(GRPOTrainer):
                     "--lora-target-modules all (or the adapter's modules)")
         if self.remote_generation is not None:
             self.remote_generation.read_context_length(self.model.config)
+            self.remote_generation.check_sampling()
+            if not self.remote_generation.gives_sampling_logprobs:
+                self._without_sampling_logprobs()
 
     def _time_steps(self, remote_reference: bool) -> None:
         """Log each step's parts (`step_timing.py`): those this run can have. Weight sync is timed around the calls
@@ -194,19 +207,55 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self.add_callback(StepTimingCallback(self))
 
     # ------------------------------------------------------------------ hooks
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):
         if isinstance(model, RemoteReference):
             if self._deferred_reference is not None:  # collected once the rewards are computed: a placeholder now
                 placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
                 self._deferred_reference.append((placeholder, input_ids, attention_mask, logits_to_keep))
                 return placeholder, None, None
             return self._reference_logps(input_ids, attention_mask, logits_to_keep), None, None
-        result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
-                                                            **kwargs)
-        if self._loss_inputs is not None:  # the policy's forward of the loss has run: now the reference (_compute_loss)
-            inputs, self._loss_inputs = self._loss_inputs, None
-            inputs["ref_per_token_logps"] = self._loss_reference(input_ids, attention_mask, logits_to_keep)
+        forward = self._loss_forward
+        if forward is not None and forward.reference is None:  # the policy's forward of the loss (_compute_loss)
+            return self._policy_forward_of_the_loss(forward, model, input_ids, attention_mask, logits_to_keep,
+                                                    batch_size, **kwargs)
+        if self.temperature != 1.0 and self._is_local_reference(model):  # the KL compares models at temperature 1
+            with at_temperature_one(replace=True):
+                return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                  batch_size, **kwargs)
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                          **kwargs)
+
+    def _policy_forward_of_the_loss(self, forward: LossForward, model, input_ids, attention_mask, logits_to_keep,
+                                    batch_size, **kwargs):
+        """TRL's forward of the policy (its log-probs at `temperature`, which the policy-gradient ratio and the
+        importance sampling read), then the reference the KL term will read: collected now if it was prefetched, and
+        at `temperature != 1` shifted by (tempered - untempered) policy log-probs of this same forward, so that TRL's
+        `ref - logp` is the reference minus the policy's log-probs at temperature 1: both models compared as they are,
+        the gradient flowing through the policy's untempered log-probs."""
+        with at_temperature_one() if forward.untempered else contextlib.nullcontext() as scored:
+            result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                                batch_size, **kwargs)
+        inputs = forward.inputs
+        if forward.collect_reference:
+            forward.reference = self._loss_reference(input_ids, attention_mask, logits_to_keep)
+        else:
+            forward.reference = inputs["ref_per_token_logps"]
+        reference = forward.reference
+        if forward.untempered:
+            untempered = laid_out(scored, input_ids, attention_mask, logits_to_keep, batch_size)
+            reference = reference + (result[0] - untempered)
+        inputs["ref_per_token_logps"] = reference
         return result
+
+    def _is_local_reference(self, model) -> bool:
+        """Whether TRL asks for the log-probs of a reference it holds: its reference model, or the PEFT policy with
+        its adapter disabled (or TRL's "ref" adapter active), TRL's reference when the policy is an adapter."""
+        if self.ref_model is not None:
+            return model is self.ref_model
+        unwrapped = self.accelerator.unwrap_model(model)
+        return self.beta != 0.0 and is_peft_model(unwrapped) and (not unwrapped.has_active_enabled_adapter
+                                                                  or unwrapped.active_adapter == "ref")
 
     def _generate_and_score_completions(self, inputs):
         """TRL's, with the remote reference left for the loss: TRL asks for it before computing the rewards and uses
@@ -230,19 +279,27 @@ class RemoteGRPOTrainer(GRPOTrainer):
         return output
 
     def _compute_loss(self, model, inputs):
-        """TRL's; a reference left for the loss (a NaN placeholder) is collected once the policy's forward has run
-        (`_get_per_token_logps_and_entropies`), before TRL reads it for the KL term."""
-        pending = inputs.get("ref_per_token_logps")
-        if pending is None or not self._loss_references or not torch.isnan(pending).all():
+        """TRL's; when the KL term needs more than TRL's inputs hold, the reference is set once the policy's forward
+        has run (`_policy_forward_of_the_loss`), before TRL reads it: a prefetched reference (a NaN placeholder) is
+        collected, and at `temperature != 1` the KL compares the models at temperature 1. The inputs get the reference
+        back as collected after the loss (TRL trains a batch again with `num_iterations > 1`)."""
+        reference = inputs.get("ref_per_token_logps")
+        if reference is None:  # beta = 0: no KL term
             return super()._compute_loss(model, inputs)
-        self._loss_inputs = inputs
+        collect = bool(self._loss_references) and bool(torch.isnan(reference).all())
+        untempered = self.temperature != 1.0
+        if not (collect or untempered):
+            return super()._compute_loss(model, inputs)
+        forward = self._loss_forward = LossForward(inputs, collect, untempered)
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
-            unfilled, self._loss_inputs = self._loss_inputs, None
-        if unfilled is not None:
+            self._loss_forward = None
+            if forward.reference is not None:
+                inputs["ref_per_token_logps"] = forward.reference
+        if forward.reference is None:
             raise RuntimeError("TRL's loss did not run the policy's forward through _get_per_token_logps_and_entropies: "
-                               "this trl version does not fit RemoteGRPOTrainer (set prefetch_reference=False)")
+                               "this trl version does not fit RemoteGRPOTrainer")
         return loss
 
     def _loss_reference(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
@@ -297,8 +354,20 @@ class RemoteGRPOTrainer(GRPOTrainer):
         completion_ids = [c.token_ids for c in completions]
         logprobs = [c.logprobs for c in completions] if all(c.logprobs is not None for c in completions) else None
         if logprobs is None:
-            self._use_importance_sampling(False)  # no sampling log-probs from this server: nothing to correct with
+            self._without_sampling_logprobs()
         return completion_ids, logprobs
+
+    def _without_sampling_logprobs(self) -> None:
+        """The generation server gave no sampling log-probs: TRL's importance-sampling correction, which compares them
+        with the trainer's, cannot run. It is switched off for the rest of the run, said once."""
+        if self.use_vllm:
+            logger.warning(
+                "The generation server at %s gives no sampling log-probs: TRL's importance-sampling correction "
+                "(vllm_importance_sampling_correction) cannot run and is off for the rest of this run%s.",
+                self.remote_generation.client.base_url,
+                "; the batches async_generation samples ahead are trained without correction" if self.args.async_generation
+                else "")
+        self._use_importance_sampling(False)
 
     def _generate(self, prompts):
         if self.remote_generation is not None and self.rollout_func is not None:

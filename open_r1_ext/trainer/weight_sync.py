@@ -37,13 +37,13 @@ import torch
 
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
-from open_r1_ext.weight_files import (WeightFileError, check_manifest, is_disk_full, publish, remove_temporary_dirs,
-                                      seal_weight_dir, shard_name, temporary_dir, write_index, write_shard)
+from open_r1_ext.weight_files import (DEFAULT_BUCKET_MB, WeightFileError, check_manifest, is_disk_full, publish,
+                                      remove_temporary_dirs, seal_weight_dir, shard_name, temporary_dir, write_index,
+                                      write_shard)
 
 logger = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # as `PeftModel.save_pretrained`
-DEFAULT_BUCKET_MB = 1024.0  # `sync.bucket_mb` (RemoteGRPOConfig.bucket_mb)
 
 
 class WeightSyncError(ServerError):

@@ -23,11 +23,13 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, create_model,
                       field_validator, model_validator)
 
+from open_r1_ext.config.data_files import LOCAL_FORMATS, local_columns
 from open_r1_ext.protocol import DTYPE_NAMES
 
 DType = Literal[DTYPE_NAMES]
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 REFERENCE_PORT_OFFSET = 1  # a reference server listens on the generation server's port + this, unless its spec says
+NO_KEY = "none"  # servers.api_key: none: the servers started for the run take no API key
 
 
 class RecipeError(ValueError):
@@ -223,6 +225,12 @@ class Servers(Section):
             self.reference.port = base + REFERENCE_PORT_OFFSET
         return self
 
+    @property
+    def uses_key(self) -> bool:
+        """Whether the run's servers take an API key: false only for `api_key: none` (unset: a key per run, written
+        by the launchers, `launch/run_key.py`)."""
+        return self.api_key is None or self.api_key.lower() != NO_KEY
+
     def specs(self) -> dict[str, ServerSpec]:
         """The roles on servers of their own: `{"generation": spec, "reference": spec}`, or fewer."""
         roles = {"generation": self.generation, "reference": self.reference}
@@ -325,7 +333,7 @@ class Recipe(Section):
         (`launch.run_key.read_run_key`) and further server settings (`servers`: the replica pools' address directories
         and min replicas, `train.pool_settings`) filled in. `on_this_machine=False` (validation on a login node) leaves
         out the settings transformers checks against the local hardware (bf16, fp16, tf32)."""
-        from open_r1_ext.trainer.config import RemoteGRPOConfig
+        from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 
         kwargs = dict(self.trainer, **self.sync)
         if not on_this_machine:
@@ -478,7 +486,7 @@ def _build_recipe(raw: dict, problems: list) -> Optional[Recipe]:
 @functools.cache
 def _config_defaults() -> dict[str, Any]:
     """Every `RemoteGRPOConfig` field's default (TRL's for TRL's fields): the one place they live."""
-    from open_r1_ext.trainer.config import RemoteGRPOConfig
+    from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 
     return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             for f in dataclasses.fields(RemoteGRPOConfig) if f.init}
@@ -488,7 +496,7 @@ def _config_defaults() -> dict[str, Any]:
 def _config_sections() -> dict[str, type[BaseModel]]:
     """`trainer:` and `sync:` as models of `RemoteGRPOConfig`'s fields: names and types are checked here, values by
     the config itself. `sync:` holds the fields the config tags `section: sync`; `trainer:` all the others."""
-    from open_r1_ext.trainer.config import RemoteGRPOConfig
+    from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 
     hints = typing.get_type_hints(RemoteGRPOConfig)
     fields = [f for f in dataclasses.fields(RemoteGRPOConfig) if f.init]
@@ -614,7 +622,7 @@ REWARD_REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  
 
 def _check_rewards(recipe: Recipe, problems: list) -> None:
     """Each reward is a built-in or a `package.module:function` that imports (whatever the module raises)."""
-    from open_r1_ext.trainer.rewards import BUILTIN, resolve_reward
+    from open_r1_ext.rewards import BUILTIN, resolve_reward
 
     for i, reward in enumerate(recipe.rewards):
         key = f"rewards[{i}].name"
@@ -678,8 +686,6 @@ def _check_values(recipe: Recipe, problems: list) -> None:
 
 def _check_data(data: DataSection, problems: list) -> None:
     """A local data file: a type the loader reads, holding `prompt_column` (hub datasets are checked when loaded)."""
-    from open_r1_ext.trainer.data import LOCAL_FORMATS, local_columns
-
     path = Path(data.dataset).expanduser()
     if not is_local_path(data.dataset) or not path.exists():
         return
@@ -719,8 +725,6 @@ def _check_context(recipe: Recipe, problems: list) -> None:
 
 def _check_servers(recipe: Recipe, problems: list) -> None:
     """What each engine can do, and where the reference can live; each message names the fix."""
-    from open_r1_ext.launch.run_key import uses_key
-
     generation, reference = recipe.servers.generation, recipe.servers.reference
     beta = recipe.setting("beta")
     for role, spec in recipe.servers.specs().items():
@@ -730,7 +734,7 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
             problems.append((f"{key}.url", f"{spec.url!r}: give a base URL such as http://node-3:30000"))
         if not 1 <= spec.port <= 65535:  # a reference server's default port: the generation server's + 1
             problems.append((f"{key}.port", f"{spec.port} is outside 1-65535; set servers.{role}.port"))
-        flags = {"--api-key", "--config"} if uses_key(recipe) else {"--api-key"}  # --config: the run's key file
+        flags = {"--api-key", "--config"} if recipe.servers.uses_key else {"--api-key"}  # --config: the run's key file
         if spec.started and flags & {str(a).split("=")[0] for a in spec.extra_args}:
             problems.append((f"{key}.extra_args", "the launchers give a server the run's API key in an owner-only file "
                                                   "(--config FILE) and keep it off the command line, where ps shows it: "

@@ -1,6 +1,6 @@
 """`RemoteGRPOConfig`: TRL's `GRPOConfig` plus the settings of the remote reference, generation and weight sync.
 
-Read by `RemoteGRPOTrainer`; a recipe's `trainer:` section is parsed into it (`open_r1_ext.launch.recipe`).
+Read by `RemoteGRPOTrainer`; a recipe's `trainer:` section is parsed into it (`open_r1_ext.config.recipe`).
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from typing import Optional, Union
 
 from trl import GRPOConfig
 
+from open_r1_ext.protocol import completions_field
 from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, sampling_kwargs
-from open_r1_ext.trainer.weight_sync import DEFAULT_BUCKET_MB
+from open_r1_ext.weight_files import DEFAULT_BUCKET_MB
 
 GENERATION_BACKENDS = ("sglang", "openai")
-SYNC = {"section": "sync"}  # field metadata: the field belongs in a recipe's `sync:` section (open_r1_ext.launch.recipe)
+SYNC = {"section": "sync"}  # field metadata: the field belongs in a recipe's `sync:` section (open_r1_ext.config.recipe)
 
 
 def _trl_sync_field(name: str):
@@ -34,8 +35,12 @@ class RemoteGRPOConfig(GRPOConfig):
         ref_model_url (`str` or `None`, *optional*, defaults to `None`):
             Base URL of an SGLang-protocol server (SGLang, or `python -m open_r1_ext.server`) hosting the reference
             model. When set and `beta > 0`, the trainer builds no reference model: per-token reference log-probs of
-            prompt + completion come from the server. SGLang returns these log-probs at temperature 1 (unscaled);
-            TRL scales its local reference by `temperature`, so the two agree exactly at `temperature=1.0`.
+            prompt + completion come from the server. SGLang returns these log-probs at temperature 1 (never divided
+            by `temperature`), so the KL term compares the models at temperature 1 at any `temperature`: the
+            policy's side of it is the policy's log-probs at temperature 1 (from the loss's own forward), and a local
+            reference (no `ref_model_url`) is scored at temperature 1 too; the policy-gradient ratio keeps TRL's
+            tempered log-probs. At `temperature=1.0` this is TRL's KL exactly; the KL is 0 at identical weights for
+            every temperature.
         prefetch_reference (`bool`, *optional*, defaults to `True`):
             Send a batch's reference request the moment its completions exist (right after generation; with
             `async_generation`, on the rollout thread), so the server scores it while the trainer computes its own
@@ -51,13 +56,17 @@ class RemoteGRPOConfig(GRPOConfig):
             prompt, each with its own `sampling_seed`.
         generation_backend (`str`, *optional*, defaults to `"sglang"`):
             Protocol of `generation_url`: `"sglang"` (native `/generate`, token ids in and out, with sampling
-            log-probs) or `"openai"` (any OpenAI-compatible `/v1/completions` server).
+            log-probs) or `"openai"` (any OpenAI-compatible `/v1/completions` server, probed at start-up: the
+            sampling settings go out under their `/v1/completions` names, those the server cannot be sent are refused
+            before training; SGLang's `metadata.weight_version` is each completion's weight version; an aborted
+            choice is asked again; without sampling log-probs the importance-sampling correction is off, said once).
         generation_model_name (`str` or `None`, *optional*, defaults to `None`):
             The `model` field sent to an OpenAI-compatible server (`generation_backend="openai"`); defaults to the
             first model the server lists at `/v1/models`.
 
         With `generation_url`, TRL's `generation_kwargs` are SGLang `sampling_params`: checked here against SGLang's
-        names (vLLM's `min_tokens` becomes `min_new_tokens`; an unknown key is refused with the list of valid ones).
+        names (vLLM's `min_tokens` becomes `min_new_tokens`; an unknown key is refused with the list of valid ones);
+        with `generation_backend="openai"`, also a key SGLang's `/v1/completions` has no field for.
 
         > Replica pools
 
@@ -301,6 +310,12 @@ class RemoteGRPOConfig(GRPOConfig):
             raise ValueError("use_vllm=True and generation_url are exclusive: generation happens on one backend")
         if self.generation_on_server and self.generation_kwargs:
             self.generation_kwargs = sampling_kwargs(self.generation_kwargs)
+            if self.generation_backend == "openai":
+                for key in self.generation_kwargs:
+                    if completions_field(key) is None:
+                        raise ValueError(f"generation_kwargs.{key}: SGLang's /v1/completions has no such field, so "
+                                         "generation_backend='openai' cannot send it; drop it, or use "
+                                         "generation_backend='sglang'")
         if self.request_timeout <= 0 or self.server_wait_timeout <= 0:
             raise ValueError("request_timeout and server_wait_timeout must be positive (seconds)")
         if self.max_retries < 0:

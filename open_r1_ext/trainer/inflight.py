@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,9 +96,12 @@ class InFlightGeneration(AsyncRemoteGeneration):
         """The completions of the batch `batches()` just formed; any other prompts (evaluation, the turns of TRL's tool
         loop after a tool call) are sampled now."""
         formed, self._formed = self._formed, None
-        if formed is not None and formed[0] == prompts_key(prompt_ids):
-            return formed[1]
-        return RemoteGeneration.generate(self, prompt_ids, num_generations)
+        if formed is None:
+            return RemoteGeneration.generate(self, prompt_ids, num_generations)
+        if formed[0] != prompts_key(prompt_ids):
+            raise RuntimeError("in_flight_updates: TRL asked for other prompts than those of the batch it was handed "
+                               "(this trl version does not fit RemoteGRPOTrainer; set in_flight_updates=False)")
+        return formed[1]
 
     def next_batch(self, batches: "InFlightBatches") -> Optional[list]:
         """Training thread: the rows of the next complete groups (a generation batch's worth), or None once the epoch's
@@ -146,6 +148,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
     def send(self, group: Group, done: "queue.Queue[Group]") -> None:
         """Sample `group` on a sender thread; it is put in `done` when it has its completions (or an error)."""
         if self._senders is None:
+            self.rollouts  # noqa: B018 - its queue, made now, keeps the GIL switch interval short for the senders too
             self._senders = ThreadPoolExecutor(max_workers=self.bound, thread_name_prefix="open_r1_ext-inflight")
         group.completions, group.replica, group.error = None, None, None
         group.sent_at = version_number(self.target.version)

@@ -265,7 +265,7 @@ def main() -> None:
                 figures.update(async_part(model, server.url, Path(tmp), rounds, 6 if args.quick else 14,
                                           args.completion_length))
             if args.part in ("in-flight", "both"):
-                figures.update(in_flight_part(model, server.url, Path(tmp), rounds, 5 if args.quick else 16,
+                figures.update(in_flight_part(model, server.url, Path(tmp), rounds, 4 if args.quick else 16,
                                               args.long_length // 2 if args.quick else args.long_length))
     if args.json:
         write_json(Path(args.json), {**facts, **figures})

@@ -11,6 +11,7 @@ import sys
 import time
 from collections import Counter
 
+import pytest
 import torch
 from transformers import TrainerCallback
 
@@ -193,3 +194,14 @@ def test_a_replica_killed_while_paused_loses_no_group(tiny_model, tmp_path):
         # groups completed later (at most the bound of 4 were waiting when it died) all came from the replica left
         assert {e["replica"] for e in trained if e["step"] > killed[0] + 2} == {a.url}
         assert SGLangClient(a.url).weight_version() == "7"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(async_generation=False), "needs async_generation=True"),
+    (dict(generation_backend="openai"), "needs generation_backend='sglang'"),
+    (dict(num_iterations=2), "every optimizer step to train whole generation batches"),
+    (dict(max_prompts_in_flight=1), "at least the prompts of one generation batch"),
+])
+def test_in_flight_config_errors(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        in_flight_config(tmp_path, "http://x:1", **overrides)

@@ -93,6 +93,7 @@ def measure(model: Path, url: str, out: Path, mode: str, steps: int, completion_
     completions = args.per_device_train_batch_size * args.steps_per_generation
     tokens = sum(h["completions/mean_length"] * completions for h in logged)
     return {"seconds_per_step": statistics.median(per_step), "tokens_per_s": tokens / sum(per_step),
+            "mean_completion_length": tokens / (completions * len(logged)),
             **{key: statistics.median(h.get(key, 0.0) for h in logged) for key in sorted(parts)},
             **({"inflight/dropped_groups_total": sum(h.get("inflight/dropped_groups", 0.0) for h in logged)}
                if mode == "in-flight" else {})}
@@ -212,6 +213,8 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
           f"{IN_FLIGHT_STALENESS} and 4 prompts in flight, one-step async with 1")
     for mode, runs in results.items():
         last = runs[-1]
+        print(f"  {mode}: trained completions {statistics.median(r['mean_completion_length'] for r in runs):.1f} tokens "
+              f"long on average, a step {statistics.median(r['seconds_per_step'] for r in runs):.3f} s (medians)")
         print(f"  last round, {mode} step parts (median s): "
               + ", ".join(f"{key} {value:.4f}" for key, value in last.items() if "/" in key and value >= 0.0005))
     rows = [[f"trained completion tokens/s (round {i + 1} of {rounds})",
@@ -227,8 +230,8 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
     return {
         **{f"inflight.{keys[mode]}_tokens_per_s": value for mode, value in median.items()},
         **{f"inflight.round_{keys[mode]}_tokens_per_s": [r["tokens_per_s"] for r in runs] for mode, runs in results.items()},
-        **{f"inflight.{keys[mode]}_seconds_per_step": statistics.median(r["seconds_per_step"] for r in runs)
-           for mode, runs in results.items()},
+        **{f"inflight.{keys[mode]}_{name}": statistics.median(r[name] for r in runs)
+           for mode, runs in results.items() for name in ("seconds_per_step", "mean_completion_length")},
         "inflight.speedup_vs_one_step": speedup,
         "inflight.round_speedup_vs_one_step": speedups,
         "inflight.speedup_min": min(speedups), "inflight.speedup_max": max(speedups),
@@ -265,7 +268,7 @@ def main() -> None:
                 figures.update(async_part(model, server.url, Path(tmp), rounds, 6 if args.quick else 14,
                                           args.completion_length))
             if args.part in ("in-flight", "both"):
-                figures.update(in_flight_part(model, server.url, Path(tmp), rounds, 4 if args.quick else 16,
+                figures.update(in_flight_part(model, server.url, Path(tmp), rounds, 4 if args.quick else 32,
                                               args.long_length // 2 if args.quick else args.long_length))
     if args.json:
         write_json(Path(args.json), {**facts, **figures})

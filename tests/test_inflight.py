@@ -8,8 +8,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 from collections import Counter
+from typing import Optional
 
 import pytest
 import torch
@@ -40,9 +41,11 @@ def in_flight_config(output_dir, url, **overrides):
     return tiny_config(output_dir, **{**settings, **overrides})
 
 
-def shape_groups(trainer: RemoteGRPOTrainer, short: int = 4, delay_s: float = 0.0) -> None:
+def shape_groups(trainer: RemoteGRPOTrainer, short: int = 4, held: Optional[threading.Event] = None,
+                 held_batches: int = 0) -> None:
     """Shape the workload so that groups complete out of order: the first prompt of every generation batch samples
-    `max_completion_length` tokens (`ignore_eos`), sent `delay_s` late; the others `short` tokens, at once."""
+    `max_completion_length` tokens (`ignore_eos`), the others `short`; with `held`, the first prompts of the first
+    `held_batches` batches are sent only once `held` is set."""
     generation = trainer.remote_generation
     split, sample = generation.split_groups, generation._sample
 
@@ -53,8 +56,8 @@ def shape_groups(trainer: RemoteGRPOTrainer, short: int = 4, delay_s: float = 0.
         return groups
 
     def late(group, done):
-        if group.index == 0:
-            time.sleep(delay_s)
+        if held is not None and group.index == 0 and group.batch < held_batches:
+            held.wait(timeout=120)
         sample(group, done)
 
     generation.split_groups, generation._sample = shaped, late
@@ -114,27 +117,35 @@ def test_the_demo_recipe_learns_with_in_flight_updates(tiny_model, tmp_path):
 
 class StopAt(TrainerCallback):
     """SIGTERM during optimizer step `step`: a checkpoint at its end, then `train()` returns (as `open-r1-ext train`
-    stops on SIGTERM)."""
+    stops on SIGTERM); `saved` is set once the checkpoint is written."""
 
     def __init__(self, trainer, step):
-        self.trainer, self.step = trainer, step
+        self.trainer, self.step, self.saved = trainer, step, threading.Event()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.step - 1:
             self.trainer.stop_signal._handle(signal.SIGTERM, None)
 
+    def on_save(self, args, state, control, **kwargs):
+        self.saved.set()
+
+
+EPOCH_STEPS = 32  # 64 prompts, 2 a step
+
 
 def test_a_run_stopped_mid_way_resumes_without_losing_or_doubling_a_group(tiny_model, server, tmp_path):
     def trainer_for(max_steps):
         args = in_flight_config(tmp_path, server.url, max_steps=max_steps, max_weight_staleness=10,
-                                save_strategy="steps", save_steps=100, max_prompts_in_flight=6)
-        trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args,
-                                    train_dataset=tiny_dataset(64))
-        shape_groups(trainer, delay_s=0.5)
-        return trainer
+                                save_strategy="steps", save_steps=100, max_prompts_in_flight=16)
+        return RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
 
-    first = trainer_for(12)  # the first prompt of each batch comes late: groups complete out of order
-    first.add_callback(StopAt(first, 5))
+    first = trainer_for(EPOCH_STEPS)
+    stop = StopAt(first, 5)
+    first.add_callback(stop)
+    # the first prompts of the first 5 batches are still on their way when the checkpoint of step 5 is written, while
+    # the short groups of later batches train: groups of the batches the loader skips on resume are not trained yet,
+    # groups of the batches it reads again are
+    shape_groups(first, held=stop.saved, held_batches=5)
     first.train()
     assert first.state.global_step == 5
     before = rollouts(tmp_path)
@@ -142,22 +153,20 @@ def test_a_run_stopped_mid_way_resumes_without_losing_or_doubling_a_group(tiny_m
     assert state["global_step"] == 5 and state["trained"] == 5  # the data loader resumes after 5 generation batches
     redraw = {(b, i) for b, i, _ in state["redraw"]}
     skip = {tuple(p) for p in state["skip"]}
-    # groups completed out of order: some of the first 5 batches not trained yet, some of later ones trained already
-    assert redraw and skip, state
-    assert all(b < 5 for b, _ in redraw) and all(b >= 5 for b, _ in skip)
+    assert redraw == {(b, 0) for b in range(5)} and skip and all(b >= 5 for b, _ in skip), state
     trained_before = {(b, i) for _, b, i in trained_positions(before)}
     assert skip <= trained_before and not redraw & trained_before
 
-    second = trainer_for(12)
+    second = trainer_for(EPOCH_STEPS)
+    shape_groups(second)
     second.train(resume_from_checkpoint=True)
-    assert second.state.global_step == 12
+    assert second.state.global_step == EPOCH_STEPS
     after = rollouts(tmp_path)[len(before):]
+    # over the whole epoch, every prompt's group trained exactly once: none lost, none doubled
     counts = trained_positions(before) + trained_positions(after)
-    assert max(counts.values()) == 1, [p for p, c in counts.items() if c > 1]  # none doubled
-    assert sum(counts.values()) == 12 * 2
+    assert counts == Counter({(0, b, i): 1 for b in range(EPOCH_STEPS) for i in range(2)}), counts
     trained_after = {(b, i) for _, b, i in trained_positions(after)}
-    assert redraw <= trained_after  # the groups in flight at the checkpoint were drawn again and trained
-    assert not skip & trained_after
+    assert redraw <= trained_after and not skip & trained_after  # drawn again / not again
     restore_default_weights(server.url, tiny_model)
 
 

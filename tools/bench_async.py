@@ -48,6 +48,8 @@ from bench_common import rounds as bench_rounds  # noqa: E402
 TARGET_OVER_BEST = 1.08  # async / sync at most this many times the best ratio of the same round
 TARGET_SPEEDUP_VS_ONE_STEP = 1.25  # in-flight / one-step async, trained completion tokens per second
 LONG_EVERY, LONG_FACTOR = 8, 8  # part 2: one completion in LONG_EVERY is LONG_FACTOR times longer
+TAIL_PROMPTS = 1  # part 2: prompts (groups of 8 completions) per step: generation is most of a sync step, as with
+# long generations on GPUs (with 2 the tiny model's training is as long as its generation here)
 IN_FLIGHT_STALENESS = 4  # part 2's in-flight side: a long completion spans a few steps; one-step async keeps 1
 BUSY_SPEEDUP = 1.5  # below this, two cores are not free: the host is too busy for the comparison to say much
 SKIPPED_STEPS = 2  # warm-up: the first step, and async's first batch (generated before training starts)
@@ -64,7 +66,7 @@ def measure(model: Path, url: str, out: Path, mode: str, steps: int, completion_
     from open_r1_ext import RemoteGRPOConfig, RemoteGRPOTrainer
 
     dataset = arithmetic_prompts(256 if long_tail else 64)
-    shape = dict(per_device_train_batch_size=16, num_generations=8) if long_tail else dict(
+    shape = dict(per_device_train_batch_size=8 * TAIL_PROMPTS, num_generations=8) if long_tail else dict(
         per_device_train_batch_size=16, num_generations=4)
     in_flight = dict(in_flight_updates=True, max_weight_staleness=IN_FLIGHT_STALENESS) if mode == "in-flight" else {}
     args = RemoteGRPOConfig(
@@ -207,10 +209,11 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
     speedup = statistics.median(speedups)
     met = speedup >= TARGET_SPEEDUP_VS_ONE_STEP
     short = long_length // LONG_FACTOR
-    print(f"Part 2: tiny model, 16 completions (2 prompts x 8) per step, one completion in {LONG_EVERY} "
-          f"{long_length} tokens long, the rest {short} (ignore_eos); {steps} steps per side and round (the first "
+    print(f"Part 2: tiny model, {8 * TAIL_PROMPTS} completions ({TAIL_PROMPTS} prompt(s) x 8) per step, one completion "
+          f"in {LONG_EVERY} {long_length} tokens long, the rest {short} (ignore_eos); {steps} steps per side and round (the first "
           f"{SKIPPED_STEPS} not timed), {rounds} round(s) in rotated order; in-flight with max_weight_staleness="
-          f"{IN_FLIGHT_STALENESS} and 4 prompts in flight, one-step async with 1")
+          f"{IN_FLIGHT_STALENESS} and {2 * TAIL_PROMPTS} prompts in flight (the default: twice a batch's), one-step async "
+          "with 1")
     for mode, runs in results.items():
         last = runs[-1]
         print(f"  {mode}: trained completions {statistics.median(r['mean_completion_length'] for r in runs):.1f} tokens "
@@ -268,7 +271,7 @@ def main() -> None:
                 figures.update(async_part(model, server.url, Path(tmp), rounds, 6 if args.quick else 14,
                                           args.completion_length))
             if args.part in ("in-flight", "both"):
-                figures.update(in_flight_part(model, server.url, Path(tmp), rounds, 4 if args.quick else 32,
+                figures.update(in_flight_part(model, server.url, Path(tmp), rounds, 4 if args.quick else 64,
                                               args.long_length // 2 if args.quick else args.long_length))
     if args.json:
         write_json(Path(args.json), {**facts, **figures})

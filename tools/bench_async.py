@@ -50,6 +50,7 @@ TARGET_SPEEDUP_VS_ONE_STEP = 1.25  # in-flight / one-step async, trained complet
 LONG_EVERY, LONG_FACTOR = 8, 8  # part 2: one completion in LONG_EVERY is LONG_FACTOR times longer
 TAIL_PROMPTS = 1  # part 2: prompts (groups of 8 completions) per step: generation is most of a sync step, as with
 # long generations on GPUs (with 2 the tiny model's training is as long as its generation here)
+IN_FLIGHT_PROMPTS = 4 * TAIL_PROMPTS  # part 2's in-flight side: max_prompts_in_flight (the default is 2x a batch's)
 IN_FLIGHT_STALENESS = 4  # part 2's in-flight side: a long completion spans a few steps; one-step async keeps 1
 BUSY_SPEEDUP = 1.5  # below this, two cores are not free: the host is too busy for the comparison to say much
 SKIPPED_STEPS = 2  # warm-up: the first step, and async's first batch (generated before training starts)
@@ -68,7 +69,8 @@ def measure(model: Path, url: str, out: Path, mode: str, steps: int, completion_
     dataset = arithmetic_prompts(256 if long_tail else 64)
     shape = dict(per_device_train_batch_size=8 * TAIL_PROMPTS, num_generations=8) if long_tail else dict(
         per_device_train_batch_size=16, num_generations=4)
-    in_flight = dict(in_flight_updates=True, max_weight_staleness=IN_FLIGHT_STALENESS) if mode == "in-flight" else {}
+    in_flight = dict(in_flight_updates=True, max_weight_staleness=IN_FLIGHT_STALENESS,
+                     max_prompts_in_flight=IN_FLIGHT_PROMPTS) if mode == "in-flight" else {}
     args = RemoteGRPOConfig(
         output_dir=str(out), max_completion_length=completion_length, max_steps=steps, beta=0.0, learning_rate=1e-4,
         bf16=False, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
@@ -203,7 +205,9 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
             return measure(model, url, tmp / f"tail-{mode}-{next(runs)}", mode, steps, long_length, long_tail=True)
         return run
 
-    results = dict(zip(IN_FLIGHT_SIDES, bench_rounds([side(mode) for mode in IN_FLIGHT_SIDES], rounds)))
+    *measured, speedups_machine = bench_rounds([*(side(mode) for mode in IN_FLIGHT_SIDES), parallel_speedup], rounds)
+    results = dict(zip(IN_FLIGHT_SIDES, measured))
+    machine = statistics.median(speedups_machine)
     speedups = [f["tokens_per_s"] / o["tokens_per_s"] for f, o in zip(results["in-flight"], results["async"])]
     median = {mode: statistics.median(r["tokens_per_s"] for r in runs) for mode, runs in results.items()}
     speedup = statistics.median(speedups)
@@ -212,8 +216,7 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
     print(f"Part 2: tiny model, {8 * TAIL_PROMPTS} completions ({TAIL_PROMPTS} prompt(s) x 8) per step, one completion "
           f"in {LONG_EVERY} {long_length} tokens long, the rest {short} (ignore_eos); {steps} steps per side and round (the first "
           f"{SKIPPED_STEPS} not timed), {rounds} round(s) in rotated order; in-flight with max_weight_staleness="
-          f"{IN_FLIGHT_STALENESS} and {2 * TAIL_PROMPTS} prompts in flight (the default: twice a batch's), one-step async "
-          "with 1")
+          f"{IN_FLIGHT_STALENESS} and max_prompts_in_flight={IN_FLIGHT_PROMPTS}, one-step async with 1")
     for mode, runs in results.items():
         last = runs[-1]
         print(f"  {mode}: trained completions {statistics.median(r['mean_completion_length'] for r in runs):.1f} tokens "
@@ -227,6 +230,11 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
         rows.append(["median of the rounds", *(f"{median[mode]:.0f}" for mode in IN_FLIGHT_SIDES),
                      f"{speedup:.2f} ({min(speedups):.2f}-{max(speedups):.2f})", f">= {TARGET_SPEEDUP_VS_ONE_STEP}",
                      verdict(met)])
+    print(f"  two single-threaded CPU-bound processes ran {machine:.2f}x as fast as one after the other (median; rounds "
+          + ", ".join(f"{x:.2f}" for x in speedups_machine) + ")")
+    if machine < BUSY_SPEEDUP:
+        print(f"WARNING: the host is busy (speedup {machine:.2f} < {BUSY_SPEEDUP}): generation and training cannot run "
+              "side by side as on separate allocations; rerun on a quiet machine")
     print(markdown_table(["measurement", "sync", "one-step async", "in-flight", "in-flight / one-step",
                           "target", "met"], rows))
     keys = {"sync": "sync", "async": "one_step", "in-flight": "in_flight"}
@@ -240,7 +248,9 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
         "inflight.speedup_min": min(speedups), "inflight.speedup_max": max(speedups),
         "inflight.in_flight_vs_sync": median["in-flight"] / median["sync"],
         "inflight.target": TARGET_SPEEDUP_VS_ONE_STEP, "inflight.met": met, "inflight.rounds": rounds,
-        "inflight.max_weight_staleness": IN_FLIGHT_STALENESS,
+        "inflight.max_weight_staleness": IN_FLIGHT_STALENESS, "inflight.max_prompts_in_flight": IN_FLIGHT_PROMPTS,
+        "inflight.machine_parallel_speedup": machine, "inflight.round_machine_parallel_speedup": speedups_machine,
+        "inflight.host_busy": machine < BUSY_SPEEDUP,
         **{f"inflight.last_round.{keys[mode]}.{key}": value for mode, runs in results.items()
            for key, value in runs[-1].items() if "/" in key},
     }

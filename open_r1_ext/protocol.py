@@ -9,6 +9,7 @@ functions at the end (`generate_request`, `completion_from_generate`, ...).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Annotated, Any, Callable, ClassVar, Iterable, Literal, Optional, Sequence, Union
@@ -26,7 +27,45 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 Number = Union[StrictInt, StrictFloat]
 # Ranges checked at the edge, so that no value that passes validation overflows later inside a shared batch.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # SGLang's `sampling_seed` is an i64
-TOP_K_MAX = 1 << 30  # SGLang's TOP_K_ALL; -1 (or 0) disables top-k
+TOP_K_MAX = 1 << 30  # SGLang's TOP_K_ALL; -1 disables top-k
+
+
+def max_req_input_len(context_length: int, max_total_tokens: int) -> int:
+    """SGLang 0.5.23's `/server_info.max_req_input_len`: it refuses an input (a prompt; for reference log-probs, prompt
+    and completion) of at least this many tokens, min(context - 1, KV-cache tokens - 1) - 5 (`managers/tp_worker.py`
+    ~568-572, `managers/utils.py` ~272-287). The built-in server takes the same bound."""
+    return min(context_length - 1, max_total_tokens - 1) - 5
+
+
+# The ranges SGLang 0.5.23 takes (`sampling/sampling_params.py` ~255-294; any other value: HTTP 400 for the whole
+# request): name -> (test, what the value must be). `min_new_tokens` must also be at most `max_new_tokens`.
+SGLANG_SAMPLING_RANGES = {
+    "temperature": (lambda v: v >= 0, ">= 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "top_k": (lambda v: v == -1 or v >= 1, "-1 (no top-k) or >= 1 (0 is refused)"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2] (1.0: no penalty)"),
+    "min_new_tokens": (lambda v: v >= 0, ">= 0"),
+}
+
+
+def sampling_range_problems(params: dict, max_new_tokens: Optional[int] = None) -> list[tuple[str, str]]:
+    """`(name, what its value must be)` for each value of `params` (SGLang `sampling_params` names) that SGLang 0.5.23
+    refuses (`SGLANG_SAMPLING_RANGES`; `min_new_tokens` above `max_new_tokens`)."""
+    problems = []
+    for name, value in params.items():
+        if name not in SGLANG_SAMPLING_RANGES or value is None:
+            continue
+        test, must = SGLANG_SAMPLING_RANGES[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append((name, f"a number {must}"))
+        elif not (math.isfinite(value) and test(value)):
+            problems.append((name, must))
+        elif name == "min_new_tokens" and max_new_tokens is not None and value > max_new_tokens:
+            problems.append((name, f"at most max_new_tokens ({max_new_tokens})"))
+    return problems
 
 
 # What SGLang 0.5.23 knows and the built-in server does not do, with SGLang's default: a request may send the default
@@ -94,6 +133,11 @@ SGLANG_LORA_TARGET_MODULES = (
     "wo_ud",
 )
 LORA_TARGET_ALL = "all"
+# Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1653, ~1677, ~1832,
+# ~1845, all `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130): the clients send it there, the built-in server checks
+# it there.
+ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter",
+                "/pause_generation", "/continue_generation")
 # OpenAI's legacy completions return at most this many `top_logprobs` per token.
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's chat completions return at most this many `top_logprobs` per token.
@@ -149,6 +193,14 @@ class SamplingParams(_Strict):
     logit_bias: Optional[dict[StrictStr, Number]] = None
     n: StrictInt = Field(1, ge=1)
     sampling_seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+
+    @model_validator(mode="after")
+    def _as_sglang(self) -> "SamplingParams":
+        """What SGLang refuses beyond the bounds above: `top_k` 0, `min_new_tokens` above `max_new_tokens`."""
+        for name, must in sampling_range_problems({"top_k": self.top_k, "min_new_tokens": self.min_new_tokens},
+                                                  self.max_new_tokens):
+            raise PydanticCustomError("sglang_range", "must be {must} (SGLang's range)", {"field": name, "must": must})
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 
 from open_r1_ext.protocol import Completion
-from open_r1_ext.sglang_client import (DEFAULT_BACKOFF_FACTOR, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_REQUEST_TIMEOUT,
-                                       AbortedRequestError, ServerError, ServerRequestError, SGLangClient)
+from open_r1_ext.sglang_client import (BUSY, DEFAULT_BACKOFF_FACTOR, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_REQUEST_TIMEOUT,
+                                       HEALTHY, AbortedRequestError, ServerError, ServerRequestError, SGLangClient)
 from open_r1_ext.wait_progress import WaitProgress
 
 logger = logging.getLogger(__name__)
@@ -202,8 +202,8 @@ class ServerPool:
                         replica = Replica(name, url, SGLangClient(url, **self._client_settings))
                         self._replicas[name] = replica
                         started.append(self._start_join(replica))
-                for replica in self._replicas.values():
-                    if replica.state == DROPPED and (replica.join is None or replica.join.done()):
+                for replica in self._replicas.values():  # dropped or busy: probed again
+                    if replica.state in (DROPPED, JOINING) and (replica.join is None or replica.join.done()):
                         self._start_join(replica)
         with self._lock:
             if not self._updating:
@@ -220,10 +220,15 @@ class ServerPool:
         return replica.join
 
     def _join(self, replica: Replica) -> None:
-        """Probe `replica` and bring it to the pool's weights and adapters; then it serves (else it stays dropped)."""
-        if not replica.client.is_healthy(timeout=HEALTH_TIMEOUT):
+        """Probe `replica` and bring it to the pool's weights and adapters; then it serves. One that does not answer
+        is dropped; one that is busy (SGLang's `/health` waits behind a long reload, e.g. another trainer process
+        catching it up, then answers 503) stays in the pool, joining, and is probed again at the next rescan."""
+        found = replica.client.probe(timeout=HEALTH_TIMEOUT)
+        if found != HEALTHY:
             with self._lock:
-                if replica.state != DROPPED:
+                if found == BUSY and replica.state != DROPPED:
+                    replica.state, replica.reason = JOINING, "busy (/health did not answer 200: reloading or starting?)"
+                elif replica.state != DROPPED:
                     replica.state, replica.reason = DROPPED, replica.reason or "does not answer /health"
             return
         returning = replica.state == DROPPED
@@ -342,10 +347,10 @@ class ServerPool:
     def server_info(self) -> dict:
         return self._any(lambda client: client.server_info())
 
-    def context_length(self) -> Optional[int]:
-        """The smallest context length a serving replica reports (None: each takes its model's own)."""
+    def sequence_limit(self) -> Optional[int]:
+        """The smallest `sequence_limit` a serving replica reports (None: none reports one)."""
         self._serving()
-        lengths = [n for n in self._each_ready(lambda client: client.context_length()).values() if n is not None]
+        lengths = [n for n in self._each_ready(lambda client: client.sequence_limit()).values() if n is not None]
         return min(lengths) if lengths else None
 
     def weight_version(self) -> Optional[str]:

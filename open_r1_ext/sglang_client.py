@@ -27,7 +27,9 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from open_r1_ext.protocol import (
+    ADMIN_ROUTES,
     Completion,
+    sampling_range_problems,
     completion_from_generate,
     generate_request,
     input_token_logprobs,
@@ -53,6 +55,7 @@ DEFAULT_BACKOFF_FACTOR = 0.5
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection (of the request timeout)
 DEFAULT_MAX_BATCH_TOKENS = 65536
 ABORT_RETRIES = 2  # times an item the server aborted (HTTP 200, finish_reason "abort") is sent again
+HEALTHY, BUSY, DOWN = "healthy", "busy", "down"  # what `SGLangClient.probe` found
 
 # SGLang 0.5.23's `sampling_params` keys (`sglang/srt/sampling/sampling_params.py` ~148-181, the API fields of
 # `SamplingParams`; any other key fails `SamplingParams(**kwargs)` in `tokenizer_manager.py` ~1565 with HTTP 400).
@@ -68,10 +71,6 @@ VLLM_TWINS = {"min_tokens": "min_new_tokens"}
 TRAINER_SET = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
                "n": "num_generations", "sampling_seed": "seed (one sampling_seed per sample is derived from it)",
                "seed": "seed (one sampling_seed per sample is derived from it)"}
-# Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1653, ~1677, ~1832,
-# ~1845, all `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130).
-ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter",
-                "/pause_generation", "/continue_generation")
 
 
 class ServerError(RuntimeError):
@@ -202,12 +201,22 @@ class SGLangClient:
         return orjson.loads(self._request("POST", route, json=body, timeout=timeout).content)
 
     # ---------------------------------------------------------------- health
-    def is_healthy(self, timeout: float = 5.0, route: str = "/health") -> bool:
+    def probe(self, timeout: float = 5.0, route: str = "/health") -> str:
+        """One look at `route`, no retries (the caller polls): `HEALTHY` (200); `BUSY`, the server answered another
+        status or took the connection but not answered within `timeout` (SGLang's `/health` runs a one-token
+        generation, at least ~1 s, which waits behind a long reload, then answers 503: `http_server.py` ~721-800);
+        `DOWN`, no connection."""
         try:
-            # no retries here: the caller polls
-            return requests.get(f"{self.base_url}{route}", timeout=timeout, headers=dict(self.session.headers)).status_code == 200
+            status = requests.get(f"{self.base_url}{route}", timeout=(CONNECT_TIMEOUT, timeout),
+                                  headers=dict(self.session.headers)).status_code
+        except requests.ReadTimeout:
+            return BUSY
         except requests.RequestException:
-            return False
+            return DOWN
+        return HEALTHY if status == 200 else BUSY
+
+    def is_healthy(self, timeout: float = 5.0, route: str = "/health") -> bool:
+        return self.probe(timeout, route) == HEALTHY
 
     def wait_until_healthy(self, timeout: float = 600.0, poll_interval: float = 1.0, progress: bool = True,
                            route: str = "/health") -> None:
@@ -233,11 +242,16 @@ class SGLangClient:
         """`/server_info` (SGLang's `/get_server_info` is deprecated)."""
         return self.get_json("/server_info")
 
-    def context_length(self) -> Optional[int]:
-        """The longest prompt + completion the server takes (`/server_info`'s `context_length`; SGLang reports null
-        when it takes the model's own, `max_position_embeddings`)."""
-        value = self.server_info().get("context_length")
-        return int(value) if isinstance(value, int) else None
+    def sequence_limit(self) -> Optional[int]:
+        """The most tokens of prompt + completion the server serves, to sample (the prompt as input) and to score (the
+        whole sequence as one input): `/server_info.max_req_input_len` - 1, since SGLang refuses an input of at least
+        `max_req_input_len` tokens (the context length - 6), and the built-in server reports and keeps the same bound.
+        A server that reports only `context_length`: that; neither (None): the caller takes the model's own."""
+        info = self.server_info()
+        bound, context = info.get("max_req_input_len"), info.get("context_length")
+        if isinstance(bound, int):
+            return bound - 1
+        return context if isinstance(context, int) else None
 
     def weight_version(self) -> Optional[str]:
         return self.model_info().get("weight_version")
@@ -385,10 +399,11 @@ def _aborted(result: dict) -> bool:
     return ((result.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort"
 
 
-def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs") -> dict:
+def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs", max_new_tokens: Optional[int] = None) -> dict:
     """`kwargs` as SGLang `sampling_params`: vLLM names with an SGLang twin renamed (`min_tokens` ->
-    `min_new_tokens`); a key SGLang does not know, or one the trainer sets for every sample, raises `ValueError`
-    naming it and the fix (SGLang would answer every request with HTTP 400)."""
+    `min_new_tokens`); a key SGLang does not know, one the trainer sets for every sample, or a value outside the range
+    SGLang takes (`sampling_range_problems`, with the completions' `max_new_tokens`) raises `ValueError` naming it
+    and the fix (SGLang would answer every request with HTTP 400)."""
     out, given = {}, {}
     for key, value in (kwargs or {}).items():
         name = VLLM_TWINS.get(key, key)
@@ -401,6 +416,9 @@ def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs") ->
         if name in out:
             raise ValueError(f"{where}: {given[name]} and {key} are the same setting; give one")
         out[name], given[name] = value, key
+    for name, must in sampling_range_problems(out, max_new_tokens):
+        raise ValueError(f"{where}.{given[name]}={out[name]!r}: must be {must}, or SGLang answers every request with "
+                         "HTTP 400")
     return out
 
 

@@ -29,7 +29,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from open_r1_ext.config.arguments import add_recipe_arguments
 from open_r1_ext.config.recipe import Recipe, RecipeError, ServerSpec, load_recipe
 from open_r1_ext.launch.jobs import SIGTERM_EXIT
-from open_r1_ext.launch.run_key import key_file, read_run_key, write_run_key
+from open_r1_ext.launch.run_key import read_run_key, write_run_key
 from open_r1_ext.launch.run_status import METRICS_FILE
 from open_r1_ext.sglang_client import ServerError
 
@@ -131,13 +131,13 @@ def build_rewards(recipe: Recipe) -> list:
 def servers(recipe: Recipe, server_url: URLs, ref_url: URLs, server_dir: Optional[str] = None,
             ref_dir: Optional[str] = None) -> Iterator[tuple[URLs, URLs]]:
     """`(generation_url, ref_model_url)`: given (one URL, or a list: a pool of replicas), from the environment or
-    recipe, or embedded built-in servers; None for a role whose replicas advertise themselves in an address directory
-    (`server_dir`, `ref_dir`: `pool_settings`)."""
+    recipe, or embedded servers (built-in or SGLang, started at once); None for a role whose replicas advertise
+    themselves in an address directory (`server_dir`, `ref_dir`: `pool_settings`)."""
     given = {"generation": listed(server_url) or listed(os.environ.get(SERVER_URL_ENV)),
              "reference": listed(ref_url) or listed(os.environ.get(REF_URL_ENV))}
     directories = {"generation": server_dir, "reference": ref_dir}
     urls: dict[str, list[str]] = {}
-    embedded: list[str] = []
+    embedded = []
     specs = recipe.servers.specs()
     started_here = [role for role, spec in specs.items() if not (given[role] or spec.url or directories[role])]
     threads = cpu_threads_each(len(started_here))
@@ -145,16 +145,13 @@ def servers(recipe: Recipe, server_url: URLs, ref_url: URLs, server_dir: Optiona
         for role, spec in specs.items():
             urls[role] = given[role] or listed(None if directories[role] else spec.url)
             if role in started_here:
-                if spec.engine != "builtin":
-                    raise SystemExit(
-                        f"{recipe.path}: no URL for the {spec.engine} {role} server. Start one (sbatch slurm/serve.slurm "
-                        f"{recipe.path}), or pass --server-url/--ref-url (or --server-dir/--ref-dir), or set servers.{role}.url; only engine: builtin "
-                        "starts an embedded server."
-                    )
                 if not embedded:  # the first embedded server: a new key for this run
                     write_run_key(recipe, Path(recipe.output_dir))
-                embedded.append(role)
-                urls[role] = [stack.enter_context(embedded_server(recipe, role, spec, threads)).url]
+                embedded.append(embedded_server(recipe, role, spec, threads))
+                stack.callback(embedded[-1].stop)
+                urls[role] = [embedded[-1].launch().url]
+        for server in embedded:  # each started before any is waited for: their start-ups overlap
+            server.wait_until_healthy()
         generation = urls.get("generation", [])
         if recipe.servers.reference == "generation":  # each generation server's reference (its /ref slot, built-in)
             reference = [recipe.role_urls(url, None)[1] for url in generation]
@@ -202,22 +199,25 @@ def cpu_threads_each(embedded: int) -> Optional[int]:
 
 
 def embedded_server(recipe: Recipe, role: str, spec: ServerSpec, threads: Optional[int] = None):
-    """A built-in server on this machine for `role` (`generation` or `reference`), holding the run's key (when it has
-    one) and reloading only the run's weight dumps; `threads`: its torch CPU threads (default: the server's)."""
-    from open_r1_ext.launch.local_server import BuiltinServer
+    """The recipe's server for `role` (`generation` or `reference`) on this machine, on a free port, with the command
+    line a server job runs (`slurm_plan.server_command`: the run's key, the run's weight dumps, LoRA, SGLang on the
+    CPU); `threads`: its CPU threads (the built-in server's `--num-threads`, SGLang's OpenMP threads)."""
+    from open_r1_ext.launch.local_server import CommandServer, free_port
+    from open_r1_ext.launch.slurm_plan import argv, server_command
 
     log = Path(recipe.output_dir) / f"{role}-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     model_path = recipe.model_path(spec)
-    logger.info("starting an embedded built-in %s server on %s (log: %s)", role, model_path, log)
-    no_ref_slot = () if recipe.ref_slot(role) else ("--no-ref-slot",)
-    lora = recipe.model.lora_server_flags() if role == "generation" else []
-    key = key_file(Path(recipe.output_dir))
-    keyed = ("--config", str(key)) if key.is_file() else ()
-    threaded = ("--num-threads", str(threads)) if threads else ()
-    return BuiltinServer(model_path, log_path=str(log), deterministic=spec.deterministic,
-                         extra_args=("--dtype", spec.dtype, *no_ref_slot, *lora, "--weight-dirs", recipe.sync_dir, *keyed,
-                                     *threaded, *map(str, spec.extra_args)))
+    logger.info("starting an embedded %s %s server on %s (log: %s)", spec.engine, role, model_path, log)
+    local_args, env = [], {}
+    if spec.engine == "builtin":  # (SGLang logs at its default level: its start-up lines help when it fails)
+        local_args = ["--log-level", "warning", *(["--num-threads", str(threads)] if threads else [])]
+    elif threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    port = free_port()
+    command = argv(server_command(recipe, role, port, host="127.0.0.1", local_args=local_args))
+    return CommandServer(command, f"embedded {spec.engine} {role} server", model_path, port, env=env, log_path=str(log),
+                         startup_timeout=float(recipe.setting("server_wait_timeout")))
 
 
 def quiet_libraries() -> None:

@@ -69,6 +69,27 @@ def sglang_server(tiny_model, sglang_python, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def shared_sglang(tiny_model, sglang_python, tmp_path_factory):
+    """Real SGLang on the tiny model for the protocol suite (`protocol_server`), one per pytest process: every start
+    costs ~20 s of the suite, so the modules share it. A test that reloads its weights puts the start-up weights back
+    (`helpers.restore_default_weights`); nothing may rely on the order of its samples (it serves many tests)."""
+    log = tmp_path_factory.mktemp("shared-sglang-log") / "sglang.log"
+    with SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=("--random-seed", "0")) as srv:
+        yield srv
+
+
+PROTOCOL_SERVERS = ("builtin", "sglang")
+
+
+@pytest.fixture(scope="module", params=PROTOCOL_SERVERS)
+def protocol_server(request):
+    """The server of a protocol test, which runs once on each: the module's built-in server (`server`, deterministic)
+    and real SGLang 0.5.23 on the CPU (`shared_sglang`, which has no deterministic mode: it ignores `sampling_seed`).
+    `protocol_server.engine` says which; what only one of them does is asserted for that one, saying why."""
+    return request.getfixturevalue("server" if request.param == "builtin" else "shared_sglang")
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster() -> None:
     """The local one-node cluster, started as CI does; a failure to start fails the tests with its output."""
     started = subprocess.run(["bash", "tools/local_slurm.sh", "start"], cwd=REPO, capture_output=True, text=True, timeout=600)

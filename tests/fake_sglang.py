@@ -1,6 +1,8 @@
-"""A fake SGLang 0.5.23 HTTP server, for the behaviours of SGLang that the built-in server does not share and that
-cannot run here (SGLang needs CUDA). It answers as SGLang's source does, each behaviour citing its lines
-(paths under `sglang/srt/` of the 0.5.23 wheel); it has no model: completions are a fixed function of the prompt.
+"""A fake SGLang 0.5.23 HTTP server, for what real SGLang (which runs on this machine's CPU: `shared_sglang`) cannot be
+made to show from outside, or only at a cost a unit test should not pay: aborting chosen items, a reload that takes
+seconds, LoRA (its CPU path dies at start with `--enable-lora`), pools of several replicas going down and up. It
+answers as SGLang's source does, each behaviour citing its lines (paths under `sglang/srt/` of the 0.5.23 wheel); it
+has no model: completions are a fixed function of the prompt.
 
 `with FakeSGLang(...) as fake:` serves `fake.url` on a free port in a thread (real HTTP, `helpers.http_server`);
 `fake.calls` lists `(method, path, body, authorization)` of every request it received.
@@ -12,6 +14,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler
 from typing import Optional
@@ -29,17 +32,22 @@ class FakeSGLang:
     """SGLang's answers for a model with `architectures` and `model_type`, `vocab_size` tokens and `context_length`
     (null in `/server_info` unless `report_context_length`, as when SGLang was started without `--context-length`).
     `enable_lora`: started with `--enable-lora` (dynamic LoRA: `/load_lora_adapter`, `/unload_lora_adapter`, and
-    `lora_path` on `/generate`; `fake.adapters` maps each loaded name to its path)."""
+    `lora_path` on `/generate`; `fake.adapters` maps each loaded name to its path). `reload_s`: a reload takes that
+    long, and meanwhile `/health` answers 503 after `busy_health_s` (SGLang's runs a one-token generation that waits
+    behind the reload and answers 503 after 20 s without scheduler output: http_server.py ~721-800, environ.py ~344)."""
 
     def __init__(self, architectures=("Qwen2ForCausalLM",), model_type: str = "qwen2", vocab_size: int = 300,
                  context_length: int = 2048, report_context_length: bool = False, api_key: Optional[str] = None,
-                 admin_api_key: Optional[str] = None, aborts: int = 0, enable_lora: bool = False):
+                 admin_api_key: Optional[str] = None, aborts: int = 0, enable_lora: bool = False,
+                 reload_s: float = 0.0, busy_health_s: float = 1.0):
         self.architectures, self.model_type, self.vocab_size = list(architectures), model_type, vocab_size
         self.context_length, self.report_context_length = context_length, report_context_length
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.aborts = aborts  # the next this many generated items are aborted
         self.weight_version = "default"
         self.enable_lora = enable_lora
+        self.reload_s, self.busy_health_s = reload_s, busy_health_s
+        self.reloading = threading.Event()
         self.adapters: OrderedDict[str, str] = OrderedDict()  # loaded: name -> path (lora_registry.py ~89)
         self.ever_loaded: dict[str, str] = {}  # tokenizer_manager.py's lora_ref_cache: never cleared on unload
         self.calls: list[tuple[str, str, Optional[dict], Optional[str]]] = []
@@ -126,9 +134,18 @@ class FakeSGLang:
     def update_weights_from_disk(self, body: dict) -> tuple[int, dict]:
         # Unknown keys (e.g. mixup_alpha) are dropped (utils/msgspec_utils.py ~95-99); the loader takes whatever
         # tensors the directory holds and reports success (weight_updater.py ~174-255).
+        self.reloading.set()
+        time.sleep(self.reload_s)
+        self.reloading.clear()
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def health(self) -> tuple[int, str]:
+        if self.reloading.is_set():
+            time.sleep(self.busy_health_s)
+            return (503, "") if self.reloading.is_set() else (200, "")
+        return 200, ""
 
     def _resolve_lora(self, lora_path) -> Optional[str]:
         """tokenizer_manager.py ~3723-3791: LoRA not enabled; a name never loaded; a name unloaded since is loaded
@@ -192,7 +209,7 @@ class FakeSGLang:
 
     def _answer(self, method: str, path: str, body: Optional[dict]) -> tuple[int, object]:
         path = DEPRECATED.get(path, path)  # the deprecated routes log a warning, then answer as the new ones
-        routes = {("GET", "/health"): lambda: (200, ""), ("GET", "/model_info"): lambda: (200, self.model_info()),
+        routes = {("GET", "/health"): self.health, ("GET", "/model_info"): lambda: (200, self.model_info()),
                   ("GET", "/server_info"): lambda: (200, self.server_info()),
                   ("POST", "/generate"): lambda: self.generate(body),
                   ("GET", "/v1/models"): lambda: (200, {"object": "list", "data": [{"id": "fake/model", "object": "model"}]}),

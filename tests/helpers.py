@@ -2,6 +2,8 @@
 the server chores (restore its start-up weights, kill and restart it mid-training), a stand-in HTTP server in a
 thread, and `open_r1_ext.train` as a real process (its recipe, its step lines, its children)."""
 
+import copy
+import json
 import signal
 import subprocess
 import sys
@@ -12,12 +14,13 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator, Optional
 
+import torch
 import yaml
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from open_r1_ext import RemoteGRPOConfig
-from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.launch.local_server import LocalServer
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION
 from open_r1_ext.sglang_client import SGLangClient
 from tools.bench_common import arithmetic_prompts
@@ -62,6 +65,24 @@ def children(pid: int, name: str) -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid and name.encode() in cmdline:
             found.append(int(entry.name))
     return found
+
+
+def group_gone(pgid: int, within_s: float = 20.0) -> bool:
+    """Whether every process of process group `pgid` has gone (zombies aside) within `within_s`: a server started in a
+    session of its own and whatever it started (SGLang's scheduler and detokenizer)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        members = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(stat.parent.name))
+        if not members or time.monotonic() > deadline:
+            return not members
+        time.sleep(0.2)
 
 
 def gone(pid: int, within_s: float = 20.0) -> bool:
@@ -120,28 +141,60 @@ def model_variant(base: Path, out: Path, **config_changes) -> Path:
     return out
 
 
-def restore_default_weights(url: str, model: Path) -> None:
-    """Put the server (slot) at `url` back on `model`'s weights, reporting its start-up weight version."""
-    assert SGLangClient(url).update_weights_from_disk(str(model), weight_version=DEFAULT_WEIGHT_VERSION)["success"]
+def restore_default_weights(url: str, model: Path, **keys: str) -> None:
+    """Put the server (slot) at `url` back on `model`'s weights, reporting its start-up weight version (`keys`: the
+    client's `api_key` and `admin_api_key`, for a server that wants them)."""
+    client = SGLangClient(url, **keys)
+    assert client.update_weights_from_disk(str(model), weight_version=DEFAULT_WEIGHT_VERSION)["success"]
 
 
 class KillServerAt(TrainerCallback):
-    """Kill `server` (SIGKILL) after optimizer step `step`; with `restart_after` seconds, start it again on the same
-    port that much later (in `self.restarted`; stop it with `stop()`)."""
+    """Kill `server` (SIGKILL, its process group) after optimizer step `step`; with `restart_after` seconds, start it
+    again, the same server (built-in or SGLang) on the same port, that much later (in `self.restarted`; stop it with
+    `stop()`)."""
 
-    def __init__(self, server: BuiltinServer, step: int, restart_after: Optional[float] = None):
+    def __init__(self, server: LocalServer, step: int, restart_after: Optional[float] = None):
         self.server, self.step, self.restart_after = server, step, restart_after
-        self.restarted: Optional[BuiltinServer] = None
+        self.restarted: Optional[LocalServer] = None
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step != self.step:
             return
         self.server.stop(signal.SIGKILL)
         if self.restart_after is not None:
-            self.restarted = BuiltinServer(self.server.model_path, port=self.server.port)
+            self.restarted = copy.copy(self.server)  # its command and port, a process of its own
+            self.restarted.process = None
             threading.Timer(self.restart_after, self.restarted.start).start()
 
     def stop(self) -> None:
         self.server.stop()
         if self.restarted is not None:
             self.restarted.stop()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def synced(output_dir: Path, role: str = "generation") -> dict[int, list[str]]:
+    """The syncs of `role` in `weight_sync.jsonl`: step -> the replicas that confirmed it (a pool's)."""
+    return {e["step"]: sorted(e.get("replicas", [])) for e in read_jsonl(output_dir / "weight_sync.jsonl")
+            if e["role"] == role}
+
+
+def served(output_dir: Path) -> list[list[str]]:
+    """Each batch of `rollouts.jsonl`: the replica of each of its prompts."""
+    return [e["replicas"] for e in read_jsonl(output_dir / "rollouts.jsonl")]
+
+
+def forward_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """What a server's reference log-probs of `sequences` should be: each token's log-prob after its prefix, from a
+    local float32 forward of `model` (a directory, or a loaded model)."""
+    if not isinstance(model, torch.nn.Module):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for ids in sequences:
+            logits = model(torch.tensor([ids])).logits[0, :-1].float()
+            out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
+    return out

@@ -89,6 +89,27 @@ def assert_trained(run: TinyRun, trainer_log: Path, *server_logs: Path) -> None:
     assert entries and all("weight_version" in e for e in entries)
 
 
+def sglang_on_cpu(python: str, **settings) -> str:
+    """A server spec (YAML, for `--set servers.<role>=...`) of real SGLang on the CPU, run by `python` (the SGLang
+    venv's interpreter), with `settings` added (e.g. `replicas=2`)."""
+    extra = "".join(f", {key}: {value}" for key, value in settings.items())
+    return (f"{{engine: sglang, device: cpu, python: {python}, dtype: float32, "
+            f"resources: {{gpus_per_node: 0, cpus_per_task: 1}}{extra}}}")
+
+
+def job_processes(job_id: str) -> list[str]:
+    """Command lines of the processes still alive that run for SLURM job `job_id` (its environment says so): a server
+    job's srun step, SGLang's launcher, scheduler and detokenizer."""
+    found, marker = [], f"SLURM_JOB_ID={job_id}\0".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker in environ.read_bytes() and (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append((environ.parent / "cmdline").read_bytes().decode(errors="replace").replace("\0", " "))
+        except OSError:
+            continue
+    return found
+
+
 def fake_slurm_commands(bin_dir: Path, squeue_lines: str = "", squeue_error: str = "", sbatch_ok: int = 99) -> Path:
     """`squeue` that prints `squeue_lines` (`ID|STATE|RESTARTS`, one a job), or fails with `squeue_error`, `scancel`
     that does nothing, and `sbatch` that answers job ids 100, 101, ... for its first `sbatch_ok` calls and then fails;

@@ -20,7 +20,8 @@ import pytest
 from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch.slurm_plan import SlurmPlan
 from open_r1_ext.launch.submitit_launcher import EXECUTORS, TrainerTask, launch
-from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, job_env, run_script, wait_until
+from tests.slurm_helpers import (JOB_WAIT_S, RECIPE, REPO, assert_trained, job_env, job_processes, run_script,
+                                 sglang_on_cpu, wait_until)
 
 
 def processes_of(run) -> list[str]:
@@ -38,16 +39,20 @@ def processes_of(run) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("executor, layout", [("slurm", "shared"), ("local", "separate")])
+@pytest.mark.parametrize("executor, layout", [("slurm", "sglang"), ("local", "separate")])
 def test_launch_runs_the_servers_then_the_trainer_and_cancels_the_servers(executor, layout, request, tiny_run, monkeypatch):
-    """On SLURM with two generation replicas (each holding the reference in its /ref slot): both serve and confirm
-    every sync (`min_replicas=2`, so the trainer starts with both: with the default 1 it may start with one and the
-    other joins later); locally with a reference server of its own."""
+    """On SLURM with two generation replicas of real SGLang on the CPU (`device: cpu`, the SGLang venv's python; the
+    reference on the trainer): both serve and confirm every sync (`min_replicas=2`, so the trainer starts with both:
+    with the default 1 it may start with one and the other joins later), and every process of theirs is gone at the
+    end; locally with built-in servers, the reference on a server of its own. (The built-in server's replicas on
+    SLURM: tests/test_slurm.py.)"""
     if executor == "slurm":
         request.getfixturevalue("slurm_cluster")
+        # first: tiny_run's own port then applies to this spec
+        tiny_run.overrides[:0] = [f"servers.generation={sglang_on_cpu(request.getfixturevalue('sglang_python'))}"]
         tiny_run.overrides += ["servers.generation.replicas=2", "servers.generation.min_replicas=2"]
     monkeypatch.chdir(REPO)  # recipe paths are relative to the repository root, as for sbatch
-    reference = {"shared": "generation", "separate": "{dtype: float32, resources: {gpus_per_node: 0, cpus_per_task: 1}}"}
+    reference = {"sglang": "local", "separate": "{dtype: float32, resources: {gpus_per_node: 0, cpus_per_task: 1}}"}
     tiny_run.overrides.append(f"servers.reference={reference[layout]}")
     lines: list[str] = []
     code = launch(load_recipe(RECIPE, tiny_run.overrides), EXECUTORS[executor], tiny_run.overrides, echo=lines.append)
@@ -71,6 +76,8 @@ def test_launch_runs_the_servers_then_the_trainer_and_cancels_the_servers(execut
     assert f"trainer job {ids['TRAINER_JOB']}: cancelled server job(s) {server_ids}" in status, status
     tiny_run.wait_for_no_jobs()
     wait_until(lambda: not processes_of(tiny_run), 30, "the run's processes to exit")
+    if executor == "slurm":  # SGLang's scheduler and detokenizer name no run directory: their job's environment does
+        wait_until(lambda: not any(job_processes(job) for job in replicas["server"]), 30, "the servers' processes to exit")
 
 
 def test_interrupted_launch_cancels_its_jobs(slurm_cluster, tiny_run):

@@ -50,11 +50,15 @@ def lora_server(tiny_model, tmp_path_factory):
 
 class ServerMatchesPolicy(TrainerCallback):
     """After each step's sync (it runs after `WeightSyncCallback`): the server's sampling log-probs with the step's
-    adapter equal the trainer's policy (LoRA applied: the merged weights) within 1e-5, its reference log-probs the
-    base model's (the adapter disabled), and the previous adapter is unloaded. Records the largest differences."""
+    adapter equal the trainer's policy (LoRA applied: the merged weights), its reference log-probs the base model's
+    (the adapter disabled), and the previous adapter is unloaded. Records the largest differences.
 
-    def __init__(self, trainer, url: str):
-        self.trainer, self.client = trainer, SGLangClient(url)
+    `listed`: the server lists its loaded adapters in `/v1/models` (SGLang), where the unload is checked; otherwise a
+    request naming the previous adapter must be refused. (SGLang would load an unloaded adapter again from its path
+    for such a request: `tokenizer_manager.py` `_resolve_lora_path`; the trainer never names one.)"""
+
+    def __init__(self, trainer, url: str, listed: bool = False):
+        self.trainer, self.client, self.listed = trainer, SGLangClient(url), listed
         self.policy_diff, self.reference_diff, self.adapter_effect, self.checked = 0.0, 0.0, 0.0, []
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -70,7 +74,10 @@ class ServerMatchesPolicy(TrainerCallback):
         self.adapter_effect = max(self.adapter_effect, (policy - base[len(PROMPT) - 1:]).abs().max().item())
         reference = self.client.ref_logprobs([ids[0].tolist()])[0]
         self.reference_diff = max(self.reference_diff, (base[:, 0] - reference).abs().max().item())
-        if state.global_step > 1:
+        if self.listed:
+            loaded = [card["id"] for card in self.client.get_json("/v1/models")["data"][1:]]  # after the base model
+            assert loaded == [name], loaded
+        elif state.global_step > 1:
             with pytest.raises(ServerRequestError, match=f"policy-v{state.global_step - 1}"):
                 self.client.generate([PROMPT], sampling_params(2), lora_path=f"policy-v{state.global_step - 1}")
         self.checked.append(state.global_step)

@@ -1,6 +1,8 @@
 """Dynamic LoRA (#16 item 3, server half): `SGLangClient.load_lora_adapter` / `unload_lora_adapter` /
-`generate(..., lora_path=...)` against SGLang 0.5.23's answers (`tests/fake_sglang.py`, a fake SGLang server: SGLang
-needs CUDA) and against the real built-in server with the tiny model and a tiny PEFT adapter made here."""
+`generate(..., lora_path=...)` against SGLang 0.5.23's answers (real SGLang without `--enable-lora`; for what needs
+a LoRA-enabled SGLang, `tests/fake_sglang.py`: such a server is a start of its own, ~20-60 s here, and
+`tests/test_real_sglang_training.py` runs adapter-only sync on one) and against the real built-in server with the tiny
+model and a tiny PEFT adapter made here."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from tests.fake_sglang import FakeSGLang
 
 # ------------------------------------------------------------------------------------------ SGLang 0.5.23 (fake)
 def test_client_loads_generates_with_and_unloads_an_adapter_as_sglang_answers(tmp_path):
+    """The fake: the bodies and keys the client sends, as a LoRA-enabled SGLang with an admin key takes them."""
     adapter = tmp_path / "step-3"
     adapter.mkdir()
     with FakeSGLang(enable_lora=True, api_key="user", admin_api_key="admin") as fake:
@@ -46,13 +49,13 @@ def test_client_loads_generates_with_and_unloads_an_adapter_as_sglang_answers(tm
         assert "lora_path" not in generate[1]  # the reference pass: the base model
 
 
-def test_client_raises_sglang_s_message_when_a_lora_call_fails(tmp_path):
-    with FakeSGLang() as fake:  # started without --enable-lora
-        with pytest.raises(ServerRequestError, match="LoRA is not enabled. Please set `--enable-lora`") as err:
-            SGLangClient(fake.url).load_lora_adapter("v1", str(tmp_path))
-        assert err.value.status_code == 400
-        with pytest.raises(ServerRequestError, match="LoRA is not enabled"):
-            SGLangClient(fake.url).generate([[1]], {"max_new_tokens": 1}, lora_path="v1")
+def test_client_raises_sglang_s_message_when_a_lora_call_fails(tmp_path, shared_sglang):
+    """Real SGLang started without --enable-lora; the fake for the refusals of a LoRA-enabled one."""
+    with pytest.raises(ServerRequestError, match="LoRA is not enabled. Please set `--enable-lora`") as err:
+        SGLangClient(shared_sglang.url).load_lora_adapter("v1", str(tmp_path))
+    assert err.value.status_code == 400
+    with pytest.raises(ServerRequestError, match="LoRA is not enabled"):
+        SGLangClient(shared_sglang.url).generate([[1]], {"max_new_tokens": 1}, lora_path="v1")
     with FakeSGLang(enable_lora=True) as fake:
         client = SGLangClient(fake.url)
         client.load_lora_adapter("v1", str(tmp_path))

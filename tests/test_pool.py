@@ -1,10 +1,10 @@
 """The replica pool (`open_r1_ext.server_pool.ServerPool`, issue #12, trainer side).
 
 The spreading, failover, joining and weight-tracking logic runs against stand-in SGLang servers (tests/fake_sglang.py:
-real HTTP, a fixed function of the prompt, every call recorded); the training runs use real built-in servers.
+real HTTP, a fixed function of the prompt, every call recorded; replicas that go down, come back or reload slowly on
+demand, which real SGLang processes cannot be made to do from outside); the training runs use real built-in servers.
 """
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +20,8 @@ from open_r1_ext.server_pool import NoReplicaError, ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.train import pool_settings
 from tests.fake_sglang import FakeSGLang
-from tests.helpers import (KillServerAt, restore_default_weights, reward_len, tiny_config, tiny_dataset,
-                           tiny_recipe)
+from tests.helpers import (KillServerAt, read_jsonl, restore_default_weights, reward_len, served, synced, tiny_config,
+                           tiny_dataset, tiny_recipe)
 
 SAMPLING = {"max_new_tokens": 4, "temperature": 1.0}
 
@@ -139,6 +139,37 @@ def test_a_replica_that_answers_again_rejoins_with_the_current_weights(monkeypat
         assert b.weight_version == "4" and pool.replicas_at("4") == [a.url, b.url]
 
 
+def test_a_replica_busy_with_a_long_reload_stays_in_the_pool(monkeypatch):
+    """Two trainer processes' pools find a replica restarted: one catches it up (a reload of 3 s); meanwhile the other
+    probes it, and its `/health` answers 503 after a wait, as SGLang's does behind a long reload (its one-token
+    generation waits for the scheduler). The replica stays in that pool (joining, never dropped), then serves from
+    the weights the first pool loaded, without a second reload. A stand-in server (tests/fake_sglang.py): real
+    SGLang reloads the tiny model in ~0.1 s, and nothing outside it makes a reload long without killing it."""
+    monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.1)
+    with FakeSGLang(reload_s=3.0, busy_health_s=0.5) as a, FakeSGLang() as b:
+        first, second = ServerPool([a.url, b.url]), ServerPool([a.url, b.url])
+        first.update_weights_from_disk("/dumps/step-2", weight_version="2")
+        second.expect_weights("/dumps/step-2", "2")
+        a.weight_version = "default"  # restarted: its start-up weights
+        catching_up = threading.Thread(target=first.weight_version)  # finds it behind, reloads it
+        catching_up.start()
+        assert a.reloading.wait(10)
+        assert SGLangClient(a.url).probe(timeout=0.2) == "busy"  # taken, not answered within the time: busy too
+        states = set()
+        while a.reloading.is_set():
+            second.weight_version()  # asks every replica: a reports "default", so it is caught up
+            states.add(second.replicas()[a.url])
+            time.sleep(0.1)
+        catching_up.join()
+        assert "joining" in states and "dropped" not in states
+        deadline = time.monotonic() + 10
+        while second.replicas()[a.url] != "serving" and time.monotonic() < deadline:
+            second.generate([[1, 2]], SAMPLING)
+            time.sleep(0.1)
+        assert second.replicas_at("2") == [a.url, b.url]
+        assert a.paths("POST").count("/update_weights_from_disk") == 2  # the pool's update, then one catch-up
+
+
 def test_a_joiner_is_brought_to_the_pools_weights_and_adapters_before_it_serves(tmp_path, monkeypatch):
     monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.1)
     addresses, adapter = tmp_path / "replicas" / "server", tmp_path / "adapter"
@@ -214,21 +245,6 @@ def test_a_refused_reload_names_the_replica():
 
 
 # ---------------------------------------------------------------------------------------- training on a real pool
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def synced(output_dir: Path) -> dict[int, list[str]]:
-    """The generation syncs of `weight_sync.jsonl`: step -> the replicas that confirmed it."""
-    return {e["step"]: sorted(e["replicas"]) for e in read_jsonl(output_dir / "weight_sync.jsonl")
-            if e["role"] == "generation"}
-
-
-def served(output_dir: Path) -> list[list[str]]:
-    """Each batch of `rollouts.jsonl`: the replica of each of its prompts."""
-    return [e["replicas"] for e in read_jsonl(output_dir / "rollouts.jsonl")]
-
-
 # the tests on the four real servers of `replicas` run on one pytest-xdist worker, which starts them once
 on_real_servers = pytest.mark.xdist_group("pool-replicas")
 

@@ -1,5 +1,6 @@
 """Real SGLang 0.5.23 on this machine's CPU, driven by the project's client: the install (`make sglang-venv`) and the
-`SGLangServer` runner work, and the reference log-probs it serves are the tiny model's own."""
+`SGLangServer` runner work, and the reference log-probs it serves are the tiny model's own. On the protocol suite's
+shared server (`shared_sglang`): a start of its own would cost ~20-30 s."""
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -7,8 +8,8 @@ from transformers import AutoModelForCausalLM
 from open_r1_ext.sglang_client import SGLangClient
 
 
-def test_real_sglang_serves_the_reference_log_probs_of_a_local_forward(sglang_server, tiny_model):
-    client = SGLangClient(sglang_server.url)
+def test_real_sglang_serves_the_reference_log_probs_of_a_local_forward(shared_sglang, tiny_model):
+    client = SGLangClient(shared_sglang.url)
     assert client.server_info()["version"] == "0.5.23"
     sequences = [[5, 17, 42, 9, 100, 3], [7, 8]]
     served = client.ref_logprobs(sequences)

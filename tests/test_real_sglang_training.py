@@ -1,18 +1,38 @@
-"""The trainer against real SGLang 0.5.23 on the CPU (one `sglang_server` for the module, put back on its start-up
-weights after the run that syncs it): with SGLang as the reference at temperature 0.7 the KL is 0 at identical weights
-and equals a local reference's (#21 item 6); the OpenAI backend as SGLang's `/v1/completions` answers it (#21 item 7):
-the weight version read from `metadata`, the sampling settings sent and honoured, and a tiny GRPO run whose weight
-sync goes through SGLang's `/update_weights_from_disk`."""
+"""The trainer against real SGLang 0.5.23 on the CPU, through its Python API: the module's `sglang_server` (`a`) and a
+second server that also loads LoRA adapters (`b`), each put back on its start-up weights, without adapters, after a
+test that changed them.
+
+- The end-to-end runs (#21 item 4): weight sync every step with a reference server of its own that is re-synced,
+  async generation, a pool of two generation replicas with one killed mid-run and brought back, adapter-only LoRA
+  sync. The built-in server's versions are in tests/test_weight_sync.py, test_async.py, test_pool.py and
+  test_lora.py; the resumed run is tests/test_stop.py's (`open-r1-ext train` with an embedded SGLang server), the
+  launchers' runs tests/test_slurm.py's and test_launcher.py's.
+- With SGLang as the reference at temperature 0.7 the KL is 0 at identical weights and equals a local reference's
+  (#21 item 6); the OpenAI backend as SGLang's `/v1/completions` answers it (#21 item 7): the weight version read from
+  `metadata`, the sampling settings sent and honoured, and a tiny GRPO run whose weight sync goes through SGLang's
+  `/update_weights_from_disk`.
+
+SGLang's CPU backend has no deterministic mode, so nothing here depends on seeded samples; its log-probs are compared
+with a local float32 forward within 2e-3 (its KV cache is float16 on the CPU, and its kernels sum in another order).
+A server start costs 20-60 s here: the module starts two.
+"""
 
 import json
 
 import pytest
 import requests
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoTokenizer, TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.launch.local_server import SGLangServer
 from open_r1_ext.openai_client import OpenAICompletionsClient, ServerAbilities
-from tests.helpers import restore_default_weights, reward_len, tiny_config, tiny_dataset
+from open_r1_ext.sglang_client import SGLangClient
+from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE
+from open_r1_ext.weight_files import MANIFEST
+from tests.helpers import (KillServerAt, forward_logprobs, read_jsonl, restore_default_weights, reward_len, served,
+                           synced, tiny_config, tiny_dataset)
+from tests.test_lora import LORA_FLAGS, ServerMatchesPolicy, lora_trainer
 
 
 def logged(trainer, key):
@@ -105,3 +125,147 @@ def test_a_grpo_run_with_the_openai_backend_on_sglang(tiny_model, sglang_server,
     assert all((b["temperature"], b["min_p"], b["repetition_penalty"], b["presence_penalty"]) == (0.7, 0.01, 1.05, 0.1)
                for b in sent)
     assert trainer.use_vllm and len(logged(trainer, "sampling/importance_sampling_ratio/mean")) == 3
+
+
+# -------------------------------------------------------------------------------------- end to end (#21 item 4)
+SEQUENCES = [[5, 17, 42, 9, 100, 3, 250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+ATOL = 2e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lora_sglang(tiny_model, sglang_python, tmp_path_factory):
+    """`{"b": server}`: a second SGLang server on the tiny model that also loads LoRA adapters (rank 4, every linear
+    layer), launched as the module starts, so that it starts beside `sglang_server`. A test that replaces it (killed
+    and restarted) puts the new one in the dict; what is there is stopped at the end."""
+    log = tmp_path_factory.mktemp("sglang-b") / "b.log"
+    servers = {"b": SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=LORA_FLAGS)}
+    try:
+        servers["b"].launch()
+        yield servers
+    finally:
+        servers["b"].stop()
+
+
+@pytest.fixture(scope="module")
+def sglang_pair(lora_sglang, sglang_server):
+    """`{"a": sglang_server, "b": the LoRA server}`, both healthy."""
+    lora_sglang["b"].wait_until_healthy()
+    lora_sglang["a"] = sglang_server
+    return lora_sglang
+
+
+@pytest.fixture()
+def pair(sglang_pair, tiny_model):
+    """The module's servers, put back on their start-up weights, without adapters, afterwards (whatever the test did)."""
+    yield sglang_pair
+    for server in sglang_pair.values():
+        if server.process is not None and server.process.poll() is None:
+            restore_default_weights(server.url, tiny_model)
+            client = SGLangClient(server.url)
+            for card in client.get_json("/v1/models")["data"][1:]:  # the loaded adapters, after the base model
+                client.unload_lora_adapter(card["id"])
+
+
+def assert_serves(url: str, model, version: str) -> list[torch.Tensor]:
+    """The server at `url` reports weight_version `version` and its reference log-probs are `model`'s forward."""
+    client = SGLangClient(url)
+    assert client.weight_version() == version
+    served_logprobs = client.ref_logprobs(SEQUENCES)
+    for got, want in zip(served_logprobs, forward_logprobs(model, SEQUENCES)):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    return served_logprobs
+
+
+def test_sync_every_step_with_a_reference_server_of_its_own(pair, tiny_model, tmp_path):
+    """Generation on `a` (synced every step), the reference on `b` (re-synced at step 3 of 4): afterwards `a` serves
+    the saved final model and `b` the step-3 dump, each reporting its sync's version; each sync logged once."""
+    a, b = pair["a"], pair["b"]
+    args = tiny_config(tmp_path / "run", max_steps=4, learning_rate=2e-2, generation_url=a.url, ref_model_url=b.url,
+                       sync_ref_model=True, ref_model_sync_steps=3, ref_model_mixup_alpha=1.0)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3, 4]
+    log = [(e["step"], e["role"], e["weight_version"]) for e in read_jsonl(tmp_path / "run" / "weight_sync.jsonl")]
+    assert sorted(log) == [(1, "generation", "1"), (2, "generation", "2"), (3, "generation", "3"),
+                           (3, "reference", "ref-3"), (4, "generation", "4")]
+    final = assert_serves(a.url, tmp_path / "final", "4")
+    reference = assert_serves(b.url, tmp_path / "run" / "weights" / "step-3", "ref-3")
+    initial = forward_logprobs(tiny_model, SEQUENCES)
+    # training moved the weights well past the tolerance: a server still on older weights would fail the checks above
+    assert max((x - y).abs().max().item() for x, y in zip(final, initial)) > 20 * ATOL
+    assert max((x - y).abs().max().item() for x, y in zip(final, reference)) > 5 * ATOL
+
+
+def test_async_generation_is_at_most_one_step_stale(pair, tiny_model, tmp_path):
+    a, b = pair["a"], pair["b"]
+    args = tiny_config(tmp_path, max_steps=4, generation_url=a.url, ref_model_url=b.url, async_generation=True)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
+    trainer.train()
+    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert [e["step"] for e in rollouts] == [1, 2, 3, 4]
+    # batch N+1 was sampled while step N trained, from the weights of step N-1: SGLang reports each batch's version
+    assert [(e["weight_version"], e["staleness"]) for e in rollouts] == [(0, 0), (0, 1), (1, 1), (2, 1)]
+    assert sorted(synced(tmp_path)) == [1, 2, 3, 4]
+    assert SGLangClient(a.url).weight_version() == "4"
+    assert SGLangClient(b.url).weight_version() == "default"  # the reference is never synced here
+
+
+class WaitForServer(TrainerCallback):
+    """Records, at each step's end, whether the replaced server had come back (for the assertions)."""
+
+    def __init__(self, killer: KillServerAt):
+        self.killer, self.back_at = killer, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        restarted = self.killer.restarted
+        if restarted is not None and restarted.process is not None and SGLangClient(restarted.url).is_healthy():
+            self.back_at.append(state.global_step)
+
+
+def test_a_replica_killed_mid_run_comes_back_and_confirms_the_later_syncs(pair, tiny_model, tmp_path):
+    """Two generation replicas, both needed (`generation_min_replicas=2`): `b` is killed (SIGKILL, its scheduler
+    and detokenizer with it) after step 2 and started again on its port; the trainer waits for it, brings it to the
+    current weights, and it serves batches and confirms every later sync. No step is lost or done twice."""
+    a, b = pair["a"], pair["b"]
+    killer = KillServerAt(b, step=2, restart_after=0.0)
+    watcher = WaitForServer(killer)
+    args = tiny_config(tmp_path, max_steps=5, per_device_train_batch_size=8, beta=0.0, generation_url=[a.url, b.url],
+                       generation_min_replicas=2, server_wait_timeout=600)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset(),
+                                callbacks=[killer, watcher])
+    try:
+        trainer.train()
+    finally:
+        if killer.restarted is not None:
+            pair["b"] = killer.restarted  # stopped by the module's fixture
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3, 4, 5]
+    assert killer.restarted.process.pid != b.process.pid and watcher.back_at[:1] == [3]  # back before step 3 ended
+    assert synced(tmp_path) == {step: sorted([a.url, b.url]) for step in range(1, 6)}  # the new b confirmed 3, 4, 5
+    batches = served(tmp_path)
+    assert all(sorted(set(batch)) == sorted([a.url, b.url]) for batch in batches)  # it served every batch after too
+    model_logprobs = [SGLangClient(url).ref_logprobs(SEQUENCES) for url in (a.url, b.url)]
+    for x, y in zip(*model_logprobs):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)  # both on the same (final) weights
+    assert {SGLangClient(url).weight_version() for url in (a.url, b.url)} == {"5"}
+
+
+def test_adapter_only_lora_sync(pair, tiny_model, tmp_path):
+    """A PEFT policy against `b` for generation and the reference: each sync loads the step's adapter alone
+    (`policy-vN`), with which SGLang samples as the trainer's policy; the reference is its base model; the previous
+    adapter is unloaded. SGLang's LoRA on the CPU needs the pin_memory fix of tools/sglang_cpu/sitecustomize.py and
+    `--lora-backend torch_native` (`sglang_cpu_args`)."""
+    b = pair["b"]
+    trainer = lora_trainer(tiny_model, tmp_path, b.url, max_steps=3)
+    assert trainer.weight_sync.adapter_only and trainer.ref_model.client.base_url == b.url
+    check = ServerMatchesPolicy(trainer, b.url, listed=True)
+    trainer.add_callback(check)
+    trainer.train()
+    assert check.checked == [1, 2, 3] and check.policy_diff <= ATOL and check.reference_diff <= ATOL
+    assert check.adapter_effect > 5 * ATOL, check.adapter_effect  # sampling with the base model would not pass
+    log = read_jsonl(tmp_path / "weight_sync.jsonl")
+    assert [(e["step"], e["weight_version"]) for e in log] == [(1, "1"), (2, "2"), (3, "3")]
+    assert sorted(p.name for p in (tmp_path / "weights" / "step-3").iterdir()) == sorted([ADAPTER_FILE, ADAPTER_CONFIG,
+                                                                                         MANIFEST])
+    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert [(r["step"], r["weight_version"]) for r in rollouts] == [(1, 0), (2, 1), (3, 2)]  # each step's adapter

@@ -48,6 +48,7 @@ def test_real_model_recipes_say_what_they_need():
 
 
 SGLANG = {"engine": "sglang", "resources": {"nodes": 1, "gpus_per_node": 1}}
+CPU_SGLANG = {"engine": "sglang", "device": "cpu", "resources": {"nodes": 1, "gpus_per_node": 0}}
 
 BAD = [
     # (what to change, expected key, expected message)
@@ -109,7 +110,22 @@ BAD = [
     (lambda r: r["servers"].update(generation={"port": 65535}, reference={}), "servers.reference.port", "outside 1-65535"),
     (lambda r: r["servers"]["generation"].update(dp_size=0), "servers.generation.dp_size", "must be >= 1"),
     (lambda r: r["servers"].update(generation={"engine": "sglang", "resources": {"gpus_per_node": 0}}, reference="local"),
-     "servers.generation.resources.gpus_per_node", "SGLang runs on GPUs"),
+     "servers.generation.resources.gpus_per_node", "set servers.generation.device: cpu (SGLang on the CPU: for tests"),
+    (lambda r: r["servers"].update(generation=CPU_SGLANG | {"resources": {"gpus_per_node": 1}}, reference="local"),
+     "servers.generation.resources.gpus_per_node", "1: device: cpu uses no GPU; set gpus_per_node: 0"),
+    (lambda r: r["servers"].update(generation=CPU_SGLANG | {"dp_size": 2}, reference="local"),
+     "servers.generation.tp_size", "SGLang on the CPU (for tests and small models) runs with tp_size 1 and dp_size 1"),
+    (lambda r: r["servers"].update(generation=CPU_SGLANG | {"resources": {"nodes": 2, "gpus_per_node": 0}}, reference="local"),
+     "servers.generation.resources.nodes", "2: SGLang on the CPU runs on one node"),
+    (lambda r: r["servers"].update(generation=CPU_SGLANG | {"deterministic": True}, reference="local"),
+     "servers.generation.deterministic", "SGLang on the CPU has no deterministic mode"),
+    (lambda r: r["servers"]["generation"].update(device="cuda"), "servers.generation.resources.gpus_per_node",
+     "0: device: cuda needs a GPU"),
+    (lambda r: r["servers"]["generation"].update(device="tpu"), "servers.generation.device", "'tpu' is not one of cpu, cuda"),
+    (lambda r: r["servers"]["generation"].update(python="./no/such/venv/bin/python"), "servers.generation.python",
+     "./no/such/venv/bin/python is not an executable file; give the python of a venv that has the builtin server"),
+    (lambda r: r["servers"].update(reference={"url": "http://r:1", "python": "python3"}), "servers.reference.python",
+     "a server already running at url (http://r:1) is not started by the launchers: remove python"),
     (lambda r: r["data"].update(dataset=str(REPO / "README.md")), "data.dataset", "unsupported file type"),
     (lambda r: r["data"].update(prompt_column="question"), "data.prompt_column",
      "'question' is not a column of"),
@@ -119,6 +135,21 @@ BAD = [
     (lambda r: r["servers"]["generation"].update(extra_args=["--config=mine.yaml"]), "servers.generation.extra_args",
      "set servers.api_key instead"),
     (lambda r: r["rewards"].append("no_such_module_h14:f"), "rewards[2].name", "cannot be imported"),
+    # what SGLang 0.5.23 refuses (issue 21): sampling ranges, a key it would read as a flag, LoRA it cannot serve
+    (lambda r: (r["servers"].update(generation=SGLANG, reference=SGLANG), r["trainer"].update(repetition_penalty=2.5)),
+     "trainer.repetition_penalty", "must be in (0, 2] (1.0: no penalty) with generation on a server"),
+    (lambda r: r["trainer"].update(generation_kwargs={"top_k": 0}), "trainer.generation_kwargs.top_k", "(0 is refused)"),
+    (lambda r: r["trainer"].update(generation_kwargs={"frequency_penalty": -3}), "trainer.generation_kwargs.frequency_penalty",
+     "must be in [-2, 2]"),
+    (lambda r: r["trainer"].update(generation_kwargs={"min_tokens": 17}), "trainer.generation_kwargs.min_tokens",
+     "must be at most max_new_tokens (16)"),
+    (lambda r: r["servers"].update(api_key="-abc"), "servers.api_key", "starts with '-'"),
+    (lambda r: (r["model"].update(use_peft=True, lora_target_modules=["q_proj", "fc1"])), "model.lora_target_modules",
+     "'fc1': not a module the generation server can adapt"),
+    (lambda r: (r["model"].update(use_peft=True), r["servers"].update(generation=SGLANG | {"dp_size": 2, "resources": {
+        "gpus_per_node": 2}}, reference="local")), "servers.generation.dp_size", "loads LoRA adapters only with dp_size 1"),
+    (lambda r: r["trainer"].update(max_completion_length=2042), "trainer.max_completion_length",
+     "a server takes prompt + completion of at most 2041 tokens of it"),
 ]
 
 

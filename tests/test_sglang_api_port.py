@@ -1,12 +1,13 @@
-"""SGLang's own tests of its native HTTP API, ported to the built-in server (token ids and the tiny model).
+"""SGLang's own tests of its native HTTP API, ported to the tiny model and run against both servers (`protocol_server`):
+the built-in server and real SGLang 0.5.23 on the CPU.
 
 From sgl-project/sglang `test/srt/`: `test_srt_endpoint.py`, `test_skip_tokenizer_init.py`,
 `test_output_ids_no_prompt_prefix.py`, `test_update_weights_from_disk.py`. Each test keeps SGLang's requests and
 assertions; what changes is named where it does: prompts sized to the tiny model's context (2048, not 8000 x 9 tokens),
 its token ids (vocabulary 300) for the Llama ids SGLang's tests hard-code, and `ignore_eos` where the tiny model's
 greedy output would stop early. Not ported: the radix-cache test (`test_cache_tokens`: the built-in server keeps no
-prefix cache and reports `cached_tokens: 0`), custom logit processors and grammar-constrained decoding (refused with a
-400 naming the field: `test_unsupported_sglang_fields_are_named`).
+prefix cache and reports `cached_tokens: 0`), custom logit processors and grammar-constrained decoding (refused by the
+built-in server with a 400 naming the field: `test_unsupported_sglang_fields_are_named`, built-in only).
 """
 
 import json
@@ -56,41 +57,41 @@ def run_decode(server, return_logprob=False, top_logprobs_num=0, return_text=Fal
     return stream_json(response) if stream else response.json()
 
 
-def test_simple_decode(server):
-    out = run_decode(server)
+def test_simple_decode(protocol_server):
+    out = run_decode(protocol_server)
     assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) > 0
 
 
-def test_simple_decode_batch(server):
-    out = run_decode(server, batch=True)
+def test_simple_decode_batch(protocol_server):
+    out = run_decode(protocol_server, batch=True)
     assert isinstance(out, list) and len(out) == 1
 
 
-def test_parallel_sample(server):
-    out = run_decode(server, n=3)
+def test_parallel_sample(protocol_server):
+    out = run_decode(protocol_server, n=3)
     assert len(out) == 3
 
 
-def test_parallel_sample_stream(server):
-    chunks = run_decode(server, n=3, stream=True)
+def test_parallel_sample_stream(protocol_server):
+    chunks = run_decode(protocol_server, n=3, stream=True)
     assert {c["index"] for c in chunks} == {0, 1, 2}
     finals = [c for c in chunks if c["meta_info"]["finish_reason"] is not None]
     assert sorted(c["index"] for c in finals) == [0, 1, 2]
 
 
-def test_logprob(server):
-    out = run_decode(server, return_logprob=True, top_logprobs_num=5, return_text=True)
+def test_logprob(protocol_server):
+    out = run_decode(protocol_server, return_logprob=True, top_logprobs_num=5, return_text=True)
     meta = out["meta_info"]
     assert meta["input_top_logprobs"][0] is None and all(len(t) == 5 for t in meta["input_top_logprobs"][1:])
     assert all(len(t) == 5 for t in meta["output_top_logprobs"])
     assert all(isinstance(e[2], str) for t in meta["output_top_logprobs"] for e in t)
 
 
-def test_logprob_start_len(server):
+def test_logprob_start_len(protocol_server):
     logprob_start_len = 4
     new_tokens = 4
     prompts = ["I have a very good idea on", "Today is a sunndy day and"]
-    response_json = post(server, {
+    response_json = post(protocol_server, {
         "text": prompts,
         "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens},
         "return_logprob": True,
@@ -106,12 +107,15 @@ def test_logprob_start_len(server):
         assert res["text"] == "".join([x[-1] for x in res["meta_info"]["output_token_logprobs"]])
 
 
-def test_logprob_with_chunked_prefill(server, tokenizer):
-    """A long prompt asking for output log-probs (SGLang: 8000 x 9 tokens; here the tiny model's context)."""
+def test_logprob_with_chunked_prefill(protocol_server, tokenizer):
+    """A long prompt asking for output log-probs (SGLang: 8000 x 9 tokens; here the longest input the server takes,
+    `max_req_input_len` - 1: SGLang keeps a margin of 6 tokens below the context length)."""
     new_tokens = 4
     prompts = "I have a very good idea on this. " * 200
-    ids = tokenizer(prompts)["input_ids"][: 2048 - new_tokens]
-    res = post(server, {
+    longest = requests.get(protocol_server.url + "/server_info", timeout=10).json()["max_req_input_len"] - 1
+    ids = tokenizer(prompts)["input_ids"][:longest]
+    assert len(ids) == longest
+    res = post(protocol_server, {
         "input_ids": ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
         "return_logprob": True,
@@ -126,12 +130,12 @@ def test_logprob_with_chunked_prefill(server, tokenizer):
         assert len(res["meta_info"]["output_top_logprobs"][i]) == 5
 
 
-def test_logprob_match(server):
+def test_logprob_match(protocol_server):
     """The output log-probs are close to the input log-probs of a prefill of prompt + output."""
 
     def run_generate(prompt, return_logprob=False, max_new_tokens=512, logprob_start_len=-1):
         prompt_kwargs = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
-        return post(server, {
+        return post(protocol_server, {
             **prompt_kwargs,
             "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
             "return_logprob": return_logprob,
@@ -148,7 +152,9 @@ def test_logprob_match(server):
     score = run_generate(input_tokens + output_tokens, return_logprob=True, logprob_start_len=0, max_new_tokens=0)
     output_logprobs_score = np.array([x[0] for x in score["meta_info"]["input_token_logprobs"][num_prompts_tokens:]])
     assert np.max(np.abs(output_logprobs - output_logprobs_score)) < 0.35
-    assert np.max(np.abs(output_logprobs - output_logprobs_score)) < 1e-4  # ours: the same float32 forward
+    # the built-in server samples and scores with the same float32 forward; SGLang's decode and prefill kernels sum in
+    # another order (seen: 1.2e-4 apart on the CPU)
+    assert np.max(np.abs(output_logprobs - output_logprobs_score)) < (1e-4 if protocol_server.engine == "builtin" else 1e-3)
 
 
 def run_logprob_check(server, arg):
@@ -180,20 +186,20 @@ def run_logprob_check(server, arg):
                         rank += 1
 
 
-def test_logprob_mixed(server):
+def test_logprob_mixed(protocol_server):
     """SGLang: inputs of 1000-50000 tokens, starts up to 25000; here the tiny vocabulary's 300 ids."""
     args = [(input_len, output_len, 0, start, return_logprob, top)
             for input_len in (10, 100, 290) for output_len in (4, 8) for start in (0, 5, 50, 250)
             for return_logprob in (True, False) for top in (0, 5) if start < input_len]
     random.Random(0).shuffle(args)
     with ThreadPoolExecutor(8) as executor:
-        list(executor.map(partial(run_logprob_check, server), args))
+        list(executor.map(partial(run_logprob_check, protocol_server), args))
 
 
-def test_logit_bias(server):
+def test_logit_bias(protocol_server):
     """A very high logit bias forces sampling of the token (SGLang's test: Llama's id of " Paris")."""
     target_token_id = 123
-    response_json = post(server, {
+    response_json = post(protocol_server, {
         "text": PROMPT,
         "sampling_params": {"temperature": 1.0, "max_new_tokens": 4, "logit_bias": {str(target_token_id): 100.0}},
         "return_logprob": True,
@@ -202,11 +208,11 @@ def test_logit_bias(server):
     assert all(x == target_token_id for x in sampled_tokens), sampled_tokens
 
 
-def test_forbidden_token(server, tokenizer):
+def test_forbidden_token(protocol_server, tokenizer):
     """A very negative logit bias keeps a token out (here: the greedy choice itself)."""
-    greedy = post(server, {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}).json()
+    greedy = post(protocol_server, {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}).json()
     forbidden_token_id = greedy["output_ids"][0]
-    response_json = post(server, {
+    response_json = post(protocol_server, {
         "text": PROMPT,
         "sampling_params": {"temperature": 1.0, "max_new_tokens": 50, "logit_bias": {str(forbidden_token_id): -100.0}},
         "return_logprob": True,
@@ -215,7 +221,7 @@ def test_forbidden_token(server, tokenizer):
     assert forbidden_token_id not in sampled_tokens
 
 
-def test_logit_bias_isolation(server):
+def test_logit_bias_isolation(protocol_server):
     """A logit_bias of one request does not affect the other requests of its batch."""
     biased_token_id = 123
     requests_data = [
@@ -224,28 +230,29 @@ def test_logit_bias_isolation(server):
         {"text": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 4}, "return_logprob": True},
     ]
     with ThreadPoolExecutor(2) as pool:  # concurrent: the built-in server batches them together
-        responses = [r.json() for r in pool.map(lambda body: post(server, body), requests_data)]
+        responses = [r.json() for r in pool.map(lambda body: post(protocol_server, body), requests_data)]
     biased_tokens = [x[1] for x in responses[0]["meta_info"]["output_token_logprobs"]]
     unbiased_tokens = [x[1] for x in responses[1]["meta_info"]["output_token_logprobs"]]
     assert all(x == biased_token_id for x in biased_tokens)
     assert any(x != biased_token_id for x in unbiased_tokens)
 
 
-def test_get_server_info(server):
-    response_json = requests.get(server.url + "/get_server_info", timeout=10).json()
+def test_get_server_info(protocol_server):
+    response_json = requests.get(protocol_server.url + "/get_server_info", timeout=10).json()
     assert isinstance(response_json["max_total_num_tokens"], int)
     assert isinstance(response_json["version"], str)
 
 
-def test_get_server_info_concurrent(server):
+def test_get_server_info_concurrent(protocol_server):
     with ThreadPoolExecutor(max_workers=30) as tp:
-        futures = [tp.submit(lambda: requests.get(server.url + "/get_server_info", timeout=10).json()) for _ in range(4)]
+        futures = [tp.submit(lambda: requests.get(protocol_server.url + "/get_server_info", timeout=10).json()) for _ in range(4)]
         for f in futures:
             f.result()
 
 
 def test_unsupported_sglang_fields_are_named(server):
-    """SGLang's custom logit processor and grammar tests: the built-in server has neither, and says so."""
+    """SGLang's custom logit processor and grammar tests: the built-in server has neither, and says so (built-in only:
+    SGLang does them)."""
     cases = [({"custom_logit_processor": "{}"}, "custom_logit_processor"),
              ({"sampling_params": {"regex": "( Yes| No)", "max_new_tokens": 1}}, "sampling_params.regex"),
              ({"sampling_params": {"custom_params": {"token_id": 5}}}, "sampling_params.custom_params"),
@@ -294,17 +301,18 @@ def run_decode_ids(server, tokenizer, max_new_tokens=32, return_logprob=False, t
             assert_one_item(item)
 
 
-def test_skip_tokenizer_init_decodes(server, tokenizer):
-    run_decode_ids(server, tokenizer)
-    run_decode_ids(server, tokenizer, n=3)
+def test_skip_tokenizer_init_decodes(protocol_server, tokenizer):
+    run_decode_ids(protocol_server, tokenizer)
+    run_decode_ids(protocol_server, tokenizer, n=3)
     for top_logprobs_num in (0, 3):
-        run_decode_ids(server, tokenizer, return_logprob=True, top_logprobs_num=top_logprobs_num)
-    run_decode_ids(server, tokenizer, max_new_tokens=256)  # test_eos_behavior
+        run_decode_ids(protocol_server, tokenizer, return_logprob=True, top_logprobs_num=top_logprobs_num)
+    run_decode_ids(protocol_server, tokenizer, max_new_tokens=256)  # test_eos_behavior
 
 
 def test_simple_decode_stream_incremental(tiny_model, tokenizer):
     """`--incremental-streaming-output` (SGLang's test runs `--stream-output`): the chunks' output_ids, concatenated,
-    are the non-streamed output_ids."""
+    are the non-streamed output_ids. The built-in server only: a server started for this one flag; real SGLang would
+    cost another ~20 s start for a flag the project's clients never use."""
     with BuiltinServer(str(tiny_model), extra_args=("--no-ref-slot", "--incremental-streaming-output")) as srv:
         input_ids = tokenizer(PROMPT)["input_ids"]
         body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 32,
@@ -321,12 +329,12 @@ def test_simple_decode_stream_incremental(tiny_model, tokenizer):
         assert len(chunks) == len(output_ids)  # one chunk per token
 
 
-def test_stream_default_is_cumulative(server, tokenizer):
+def test_stream_default_is_cumulative(protocol_server, tokenizer):
     """Without the flag each chunk carries everything so far, the last one the whole answer."""
     body = {"input_ids": tokenizer(PROMPT)["input_ids"], "sampling_params": {"temperature": 0, "max_new_tokens": 8,
                                                                                "ignore_eos": True}, "return_logprob": True}
-    whole = post(server, body).json()
-    chunks = stream_json(post(server, {**body, "stream": True}, stream=True))
+    whole = post(protocol_server, body).json()
+    chunks = stream_json(post(protocol_server, {**body, "stream": True}, stream=True))
     assert [len(c["output_ids"]) for c in chunks] == list(range(1, 9))
     assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
     assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
@@ -340,18 +348,18 @@ def greedy_ids(server, tokenizer, prompt, max_new_tokens):
     return input_ids, result
 
 
-def test_output_ids_matches_completion_tokens(server, tokenizer):
-    _, result = greedy_ids(server, tokenizer, "What is 2+2? Answer:", 10)
+def test_output_ids_matches_completion_tokens(protocol_server, tokenizer):
+    _, result = greedy_ids(protocol_server, tokenizer, "What is 2+2? Answer:", 10)
     assert len(result["output_ids"]) == result["meta_info"]["completion_tokens"]
 
 
-def test_output_ids_decodes_to_text(server, tokenizer):
-    _, result = greedy_ids(server, tokenizer, PROMPT, 20)
+def test_output_ids_decodes_to_text(protocol_server, tokenizer):
+    _, result = greedy_ids(protocol_server, tokenizer, PROMPT, 20)
     assert tokenizer.decode(result["output_ids"], skip_special_tokens=True).strip() == result["text"].strip()
 
 
-def test_output_ids_no_prompt_tokens(server, tokenizer):
-    input_ids, result = greedy_ids(server, tokenizer, "Hello world test prompt:", 15)
+def test_output_ids_no_prompt_tokens(protocol_server, tokenizer):
+    input_ids, result = greedy_ids(protocol_server, tokenizer, "Hello world test prompt:", 15)
     output_ids = result["output_ids"]
     num_check = min(5, len(output_ids), len(input_ids))
     if input_ids[-num_check:] == output_ids[:num_check]:
@@ -375,43 +383,49 @@ def update_weights(server, model_path, **extra):
     return requests.post(server.url + "/update_weights_from_disk", json={"model_path": model_path, **extra}, timeout=60).json()
 
 
-def test_update_weights(server, other_tiny_model):
+def test_update_weights(protocol_server, other_tiny_model):
     """SGLang reloads the base model of an -Instruct one; here the tiny model with other weights (seed 1)."""
-    origin_model_path = model_path_of(server)
-    origin_response = decode_32(server)
+    origin_model_path = model_path_of(protocol_server)
+    origin_response = decode_32(protocol_server)
     new_model_path = str(other_tiny_model)
     try:
-        assert update_weights(server, new_model_path)["success"]
-        updated_model_path = model_path_of(server)
+        assert update_weights(protocol_server, new_model_path)["success"]
+        updated_model_path = model_path_of(protocol_server)
         assert updated_model_path == new_model_path and updated_model_path != origin_model_path
-        assert origin_response[1][:32] != decode_32(server)[1][:32]
+        assert origin_response[1][:32] != decode_32(protocol_server)[1][:32]
     finally:
-        assert update_weights(server, origin_model_path)["success"]
-    assert model_path_of(server) == origin_model_path
-    assert origin_response[:32] == decode_32(server)[:32]
+        assert update_weights(protocol_server, origin_model_path)["success"]
+    assert model_path_of(protocol_server) == origin_model_path
+    assert origin_response[:32] == decode_32(protocol_server)[:32]
 
 
-def test_update_weights_unexist_model(server):
-    origin_model_path = model_path_of(server)
-    origin_response = decode_32(server)
-    ret = update_weights(server, origin_model_path.rstrip("/") + "wrong")
+def test_update_weights_unexist_model(protocol_server):
+    origin_model_path = model_path_of(protocol_server)
+    origin_response = decode_32(protocol_server)
+    ret = update_weights(protocol_server, origin_model_path.rstrip("/") + "wrong")
     assert not ret["success"]
-    assert model_path_of(server) == origin_model_path
-    assert origin_response[:32] == decode_32(server)[:32]
+    assert model_path_of(protocol_server) == origin_model_path
+    assert origin_response[:32] == decode_32(protocol_server)[:32]
 
 
-def test_update_weights_abort_all_requests(server, tiny_model):
+def test_update_weights_abort_all_requests(protocol_server, tiny_model):
     """With `abort_all_requests` the requests in flight end at once with finish reason `abort` and what they had;
-    without it the reload waits for them."""
-    body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}}
-    with ThreadPoolExecutor(1) as pool:
-        for abort in (True, False):
-            running = pool.submit(lambda: requests.post(server.url + "/generate", json=body, timeout=120).json())
+    without it the reload waits for them (here a shorter one: SGLang decodes ~15-400 tokens/s on these shared cores).
+    SGLang 0.5.23 may answer the aborting reload 400 "Weights were updated, but the cache was not flushed because
+    requests are still running" (the aborted request is still in its batch when it flushes; seen in 2 of 4 tries), the
+    weights loaded all the same: that answer counts as done here, then the cache is flushed."""
+    for abort, max_new in ((True, 1500), (False, 200)):
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(lambda: requests.post(protocol_server.url + "/generate", json=body, timeout=300).json())
             time.sleep(1.0)  # the long generation is under way
-            assert update_weights(server, str(tiny_model), abort_all_requests=abort)["success"]
+            answer = update_weights(protocol_server, str(tiny_model), abort_all_requests=abort)
             out = running.result()
-            if abort:
-                assert out["meta_info"]["finish_reason"]["type"] == "abort"
-                assert 0 < len(out["output_ids"]) < 1500 and out["meta_info"]["completion_tokens"] == len(out["output_ids"])
-            else:
-                assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 1500}
+        raced = protocol_server.engine == "sglang" and abort and "cache was not flushed" in answer["message"]
+        assert answer["success"] or raced, answer
+        if abort:
+            assert out["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < len(out["output_ids"]) < max_new and out["meta_info"]["completion_tokens"] == len(out["output_ids"])
+            assert requests.post(protocol_server.url + "/flush_cache", timeout=30).status_code == 200
+        else:
+            assert out["meta_info"]["finish_reason"] == {"type": "length", "length": max_new}

@@ -1,24 +1,27 @@
 """slurm/*.slurm on a real one-node SLURM cluster (tools/local_slurm.sh), and the plan their jobs read (slurm_plan.py).
 
-End to end: `sbatch slurm/grpo.slurm` runs a server job and a trainer job on the tiny model, and nothing of the
-run is left in squeue afterwards; scancel of the server, or a server that never comes up, stops the trainer with
+End to end: `sbatch slurm/grpo.slurm` runs a server job and a trainer job on the tiny model (the built-in server, and
+real SGLang on the CPU), and nothing of the run is left in squeue afterwards; scancel of the server, or a server that never comes up, stops the trainer with
 an error naming the server job; an invalid recipe submits nothing. The plan tests need no cluster.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch.jobs import JobContext, node_command
 from open_r1_ext.launch.slurm_plan import PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
-from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, run_script, slurm_state, wait_until
+from tests.slurm_helpers import (JOB_WAIT_S, RECIPE, REPO, assert_trained, job_processes, run_script, sglang_on_cpu,
+                                 slurm_state, wait_until)
 
 
 # --------------------------------------------------------------------------------- plan (no SLURM)
@@ -59,6 +62,29 @@ def test_sglang_servers_span_nodes_and_the_trainer_gets_both_address_dirs(tiny_m
                            "--machine_rank", 1, "--main_process_ip", "node-7", "--main_process_port", 29500]
     run_dir = plan.files.run_dir
     assert train[-4:] == ["--server-dir", f"{run_dir}/replicas/server", "--ref-dir", f"{run_dir}/replicas/ref-server"]
+
+
+def test_sglang_on_the_cpu_runs_under_its_own_python(tiny_model, tmp_path, monkeypatch):
+    """`device: cpu`: SGLang's launcher run by the spec's interpreter (a path relative to the launch directory, made
+    absolute) with the CPU engine's environment and flags, LoRA through its torch-native kernels; the built-in server
+    takes `--device` too."""
+    monkeypatch.chdir(REPO)
+    venv = tmp_path / "venv-sglang" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)  # a venv's python is a link: kept as named, not resolved
+    spec = (f"{{engine: sglang, device: cpu, python: {os.path.relpath(venv / 'python', REPO)}, "
+            "resources: {gpus_per_node: 0}}")
+    plan = tiny_plan(tiny_model, f"servers.generation={spec}", f"servers.reference={spec}", "model.use_peft=true",
+                     "trainer.output_dir=/runs/x")
+    serve = shell_join(plan.server_command("server", 0, "node-1"))
+    assert serve == (f"env SGLANG_USE_CPU_ENGINE=1 {venv}/python -m sglang.launch_server --model-path {tiny_model} "
+                     "--host 0.0.0.0 --port 30000 --tp-size 1 --dp-size 1 --device cpu --attention-backend torch_native "
+                     "--max-total-tokens 8192 --sleep-on-idle --lora-backend torch_native --enable-lora --max-lora-rank 16 "
+                     "--lora-target-modules all --config /runs/x/api_key.yaml")
+    assert "--lora-backend" not in shell_join(plan.server_command("ref-server", 0, "node-1"))  # no adapters there
+    builtin = tiny_plan(tiny_model, "servers.generation.device=cpu", "servers.generation.python=python3")
+    assert shell_join(builtin.server_command("server", 0, "node-1")).startswith(
+        f"python3 -m open_r1_ext.server --model-path {tiny_model} --host 0.0.0.0 --port 30000 --dtype float32 --device cpu")
 
 
 def test_each_node_runs_its_own_command_from_the_slurm_environment(tiny_model):
@@ -145,6 +171,41 @@ def test_grpo_slurm_runs_two_replicas_one_replaced_mid_run_and_leaves_no_job(slu
     assert joined > left and all(third in e["replicas"] for e in syncs[joined:])
     assert any(third in e.get("replicas", []) for e in jsonl(rollouts))  # the newcomer served batches
     assert not list((run_dir / "replicas" / "server").glob("*.addr"))  # every replica withdrew its address
+
+
+def test_grpo_slurm_runs_real_sglang_on_the_cpu(slurm_cluster, tiny_run, sglang_python, tmp_path):
+    """`engine: sglang, device: cpu` under sbatch: the server job runs SGLang's own launcher with the SGLang venv's
+    python, which parses the command line and reads the run's key from --config (the key on no command line); it
+    advertises its address once healthy, serves the run (syncs every step, the reference on the trainer), withdraws
+    it, and the trainer job's end cancels it with every process it started (SGLang's scheduler, detokenizer)."""
+    # first: the run's own port and job name (tiny_run's overrides) then apply to this spec
+    tiny_run.overrides[:0] = [f"servers.generation={sglang_on_cpu(sglang_python)}", "servers.reference=local"]
+    submitted = run_script("sbatch", "--parsable", f"--output={tmp_path}/submit-%j.out", "slurm/grpo.slurm", RECIPE,
+                           *tiny_run.set_args)
+    assert submitted.returncode == 0, submitted.stderr
+    submit_job = submitted.stdout.strip().split(";")[0]
+    run_dir = tiny_run.run_dir
+    try:
+        wait_until(lambda: (run_dir / "jobs.env").exists() and "TRAINER_JOB" in (run_dir / "jobs.env").read_text()
+                   or slurm_state(submit_job) not in ("PENDING", "CONFIGURING", "RUNNING"), 120, "grpo.slurm to submit")
+        ids = tiny_run.job_ids()
+        server, trainer = ids["SERVER_JOB"], ids["TRAINER_JOB"]
+        tiny_run.wait_for_no_jobs()
+    finally:
+        subprocess.run(["scancel", submit_job], check=False)
+    logs = run_dir / "logs"
+    served = (logs / f"server-{server}.out").read_text() + (logs / f"server-{server}.err").read_text()
+    key = yaml.safe_load((run_dir / "api_key.yaml").read_text())["api-key"]
+    assert "server_args={" in served and f"'api_key': '{key}'" in served and "'device': 'cpu'" in served, served[-3000:]
+    commands = [line for line in served.splitlines() if re.match(r"\[[\d:]+\] \+ ", line)]  # what the job ran
+    assert commands and not any(key in line for line in commands)
+    assert_trained(tiny_run, logs / f"trainer-{trainer}.out", logs / f"server-{server}.out")  # SGLang logs requests there
+    status = tiny_run.status()
+    assert f"server job {server}: healthy at http://" in status and f"trainer job {trainer}: succeeded" in status
+    assert f"trainer job {trainer}: cancelled server job(s) {server}" in status
+    assert [e["step"] for e in generation_syncs(run_dir)] == [1, 2, 3, 4]
+    assert not list((run_dir / "replicas" / "server").glob("*.addr"))
+    wait_until(lambda: not job_processes(server), 30, "the server job's processes to exit")
 
 
 def start_long_run(run) -> tuple[str, str]:

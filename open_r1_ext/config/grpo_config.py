@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 from trl import GRPOConfig
 
-from open_r1_ext.protocol import completions_field
+from open_r1_ext.protocol import completions_field, sampling_range_problems
 from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, sampling_kwargs
 from open_r1_ext.weight_files import DEFAULT_BUCKET_MB
 
@@ -65,8 +65,10 @@ class RemoteGRPOConfig(GRPOConfig):
             first model the server lists at `/v1/models`.
 
         With `generation_url`, TRL's `generation_kwargs` are SGLang `sampling_params`: checked here against SGLang's
-        names (vLLM's `min_tokens` becomes `min_new_tokens`; an unknown key is refused with the list of valid ones);
-        with `generation_backend="openai"`, also a key SGLang's `/v1/completions` has no field for.
+        names (vLLM's `min_tokens` becomes `min_new_tokens`; an unknown key is refused with the list of valid ones)
+        and the ranges SGLang takes (e.g. `repetition_penalty` in (0, 2], `top_k` -1 or >= 1, `min_new_tokens` at most
+        `max_completion_length`), as is `repetition_penalty`; with `generation_backend="openai"`, also a key SGLang's
+        `/v1/completions` has no field for.
 
         > Replica pools
 
@@ -308,8 +310,12 @@ class RemoteGRPOConfig(GRPOConfig):
                              "replicas needs generation_backend='sglang')")
         if self.use_vllm and self.generation_on_server:
             raise ValueError("use_vllm=True and generation_url are exclusive: generation happens on one backend")
+        if self.generation_on_server:
+            for name, must in sampling_range_problems({"repetition_penalty": self.repetition_penalty}):
+                raise ValueError(f"{name}={getattr(self, name)}: must be {must} with generation on a server, or SGLang "
+                                 "answers every request with HTTP 400")
         if self.generation_on_server and self.generation_kwargs:
-            self.generation_kwargs = sampling_kwargs(self.generation_kwargs)
+            self.generation_kwargs = sampling_kwargs(self.generation_kwargs, max_new_tokens=self.max_completion_length)
             if self.generation_backend == "openai":
                 for key in self.generation_kwargs:
                     if completions_field(key) is None:

@@ -14,6 +14,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import re
 import typing
 from pathlib import Path
@@ -24,7 +25,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
                       field_validator, model_validator)
 
 from open_r1_ext.config.data_files import LOCAL_FORMATS, local_columns
-from open_r1_ext.protocol import DTYPE_NAMES
+from open_r1_ext.protocol import DTYPE_NAMES, SGLANG_LORA_TARGET_MODULES, max_req_input_len, sampling_range_problems
 
 DType = Literal[DTYPE_NAMES]
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -154,12 +155,16 @@ class ServerSpec(Section):
     `engine`: `builtin` (this package's server, one device), `sglang`, or `openai` (an OpenAI-compatible
     `/v1/completions` server already running at `url`; generation only). `deterministic` starts the server with
     `--enable-deterministic-inference`, without which SGLang and the built-in server ignore `sampling_seed`.
+    `device: cpu` runs the server on the CPU (SGLang too: for tests and small models); `python` is the interpreter
+    that runs it (e.g. the one of a venv with SGLang; default: the job's own).
     `replicas` server jobs are started (each its own allocation, with `resources`, or its entry of a `resources`
     list); the trainer starts once `min_replicas` of them are healthy, and trains while that many serve.
     """
 
     engine: Literal["builtin", "sglang", "openai"] = "builtin"
     url: Optional[str] = None
+    device: Optional[Literal["cpu", "cuda"]] = None
+    python: Optional[str] = None
     model_path: Optional[str] = None
     port: int = Field(30000, ge=1, le=65535)
     tp_size: int = Field(1, ge=1)
@@ -596,6 +601,7 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
                 problems.append((key, f"local path {value} does not exist (hub ids look like org/name)"))
         _check_data(recipe.data, problems)
         _check_context(recipe, problems)
+        _check_interpreters(recipe, problems)
     _check_rewards(recipe, problems)
     _check_lora(recipe, problems)
     _check_values(recipe, problems)
@@ -609,11 +615,12 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
 
 
 def _config_error_key(message: str) -> str:
-    """Where a config check's `name=value: ...` message belongs: `sync.name` or `trainer.name` (else `trainer`)."""
-    name = message.partition("=")[0]
+    """Where a config check's `name=value: ...` (or `name.key...: ...`) message belongs: `sync.name` or
+    `trainer.name`, with the key below it (`trainer.generation_kwargs.top_k`); else `trainer`."""
+    key = re.match(r"[\w.]*", message).group(0)
     for section, model in _config_sections().items():
-        if name in model.model_fields:
-            return f"{section}.{name}"
+        if key.partition(".")[0] in model.model_fields:
+            return f"{section}.{key}"
     return "trainer"
 
 
@@ -640,8 +647,9 @@ def _check_rewards(recipe: Recipe, problems: list) -> None:
 
 
 def _check_lora(recipe: Recipe, problems: list) -> None:
-    """`model.use_peft`: peft is installed, and the reference is not synced (it is the base model, which never
-    changes: TRL refuses the same)."""
+    """`model.use_peft`: peft is installed, the reference is not synced (it is the base model, which never changes:
+    TRL refuses the same), and a generation server the launchers start can load the adapters (modules among SGLang's
+    `--lora-target-modules` choices; SGLang with dp_size 1)."""
     if not recipe.model.use_peft:
         return
     import importlib.util
@@ -656,6 +664,21 @@ def _check_lora(recipe: Recipe, problems: list) -> None:
         problems.append(("model.lora_target_modules", f"{modules!r}: peft reads a string as a regular expression, which "
                                                       "a server's --lora-target-modules cannot take: give a list of "
                                                       f"module names (e.g. [q_proj, v_proj]) or {ALL_LINEAR}"))
+    generation = recipe.servers.generation
+    if not isinstance(generation, ServerSpec) or not generation.started:
+        return
+    unknown = [m for m in modules if m not in (*SGLANG_LORA_TARGET_MODULES, ALL_LINEAR)] if isinstance(modules, list) else []
+    if unknown:  # the built-in server takes SGLang's choices too
+        problems.append(("model.lora_target_modules", f"{', '.join(map(repr, unknown))}: not a module the generation "
+                                                      "server can adapt (SGLang's --lora-target-modules choices, "
+                                                      f"arg_groups/fields/lora.py: {', '.join(SGLANG_LORA_TARGET_MODULES)}"
+                                                      f"); the server would not start: name those, or {ALL_LINEAR}"))
+    if generation.engine == "sglang" and generation.dp_size > 1:
+        problems.append(("servers.generation.dp_size", f"{generation.dp_size}: SGLang loads LoRA adapters only with "
+                                                       "dp_size 1 (an assertion, HTTP 500 on /load_lora_adapter: "
+                                                       "tokenizer_control_mixin.py ~672), which adapter-only sync "
+                                                       "(model.use_peft) needs: set dp_size 1, and replicas: N for "
+                                                       "more servers"))
 
 
 # Settings TRL and transformers accept at start-up that fail or do nothing later: (test, what the value must be)
@@ -673,7 +696,8 @@ VALUE_RULES: dict[str, tuple[Any, str]] = {
 
 
 def _check_values(recipe: Recipe, problems: list) -> None:
-    """The numeric ranges of `VALUE_RULES`, for the values the recipe sets (TRL's defaults are fine)."""
+    """The numeric ranges of `VALUE_RULES`, for the values the recipe sets (TRL's defaults are fine); with generation
+    on a server, the ranges SGLang takes (`_check_sampling_ranges`)."""
     for section in ("trainer", "sync"):
         for name, value in getattr(recipe, section).items():
             if name in VALUE_RULES and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -682,6 +706,30 @@ def _check_values(recipe: Recipe, problems: list) -> None:
                     default = _config_defaults()[name]
                     fix = f"remove it for the default ({default})" if default is not None else "remove it"
                     problems.append((f"{section}.{name}", f"must be {must}, got {value!r}: set such a value, or {fix}"))
+    if isinstance(recipe.servers.generation, ServerSpec):
+        _check_sampling_ranges(recipe, problems)
+
+
+def _check_sampling_ranges(recipe: Recipe, problems: list) -> None:
+    """`repetition_penalty` and the `generation_kwargs` (SGLang `sampling_params`) in the ranges SGLang 0.5.23 takes
+    (`protocol.sampling_range_problems`: e.g. `top_k: 0` in generation_kwargs, which SGLang refuses); the Python
+    API (`RemoteGRPOConfig`) checks the same."""
+    from open_r1_ext.sglang_client import VLLM_TWINS
+
+    flagged = {key for key, _ in problems}
+    penalty = recipe.setting("repetition_penalty")
+    for name, must in sampling_range_problems({"repetition_penalty": penalty}):
+        if f"trainer.{name}" not in flagged:
+            problems.append((f"trainer.{name}", f"must be {must} with generation on a server (SGLang answers every "
+                                                f"request with HTTP 400 otherwise), got {penalty!r}"))
+    kwargs = recipe.setting("generation_kwargs")
+    if isinstance(kwargs, dict):
+        given = {VLLM_TWINS.get(key, key): (key, value) for key, value in kwargs.items()}
+        for name, must in sampling_range_problems({name: value for name, (_, value) in given.items()},
+                                                  recipe.setting("max_completion_length")):
+            key, value = given[name]
+            problems.append((f"trainer.generation_kwargs.{key}", f"must be {must} (SGLang answers every request with "
+                                                                  f"HTTP 400 otherwise), got {value!r}"))
 
 
 def _check_data(data: DataSection, problems: list) -> None:
@@ -703,11 +751,23 @@ def _check_data(data: DataSection, problems: list) -> None:
                                                f"{', '.join(columns) or 'none'}); set data.prompt_column to one of them"))
 
 
+def _check_interpreters(recipe: Recipe, problems: list) -> None:
+    """A server's `python` given as a path is an executable file (a bare name is looked up on the job's PATH)."""
+    for role, spec in recipe.servers.specs().items():
+        if spec.started and spec.python and "/" in spec.python and not os.access(Path(spec.python).expanduser(), os.X_OK):
+            problems.append((f"servers.{role}.python", f"{spec.python} is not an executable file; give the python of a "
+                                                       f"venv that has the {spec.engine} server (for SGLang on the CPU, "
+                                                       "tools/sglang_cpu/install.sh VENV makes one)"))
+
+
 def _check_context(recipe: Recipe, problems: list) -> None:
-    """The completion must fit the context (`max_position_embeddings`) of every local model the run loads."""
+    """The completion must fit the context (`max_position_embeddings`) of every local model the run loads, and where
+    servers serve it, leave room for a prompt within what they take (SGLang refuses an input of the context - 6
+    tokens or more, and scores prompt + completion as one input: `protocol.max_req_input_len`)."""
     completion = recipe.setting("max_completion_length")
     if not isinstance(completion, int):
         return
+    served = bool(recipe.servers.specs())
     models = {recipe.model.name_or_path, *(recipe.model_path(spec) for spec in recipe.servers.specs().values())}
     for model in sorted(models):
         config = Path(model).expanduser() / "config.json"
@@ -717,16 +777,26 @@ def _check_context(recipe: Recipe, problems: list) -> None:
             context = json.loads(config.read_text()).get("max_position_embeddings")
         except (OSError, ValueError):
             continue  # the model's own loader reports a broken config
-        if isinstance(context, int) and completion >= context:
+        if not isinstance(context, int):
+            continue
+        limit = max_req_input_len(context, context) - 1 if served else context
+        if completion >= limit:
+            margin = f"; a server takes prompt + completion of at most {limit} tokens of it" if served else ""
             problems.append(("trainer.max_completion_length",
                              f"{completion} leaves no room for a prompt in the context of {model} ({context} tokens, "
-                             f"max_position_embeddings in its config.json); set it below {context}"))
+                             f"max_position_embeddings in its config.json{margin}); set it below {limit}"))
 
 
 def _check_servers(recipe: Recipe, problems: list) -> None:
     """What each engine can do, and where the reference can live; each message names the fix."""
     generation, reference = recipe.servers.generation, recipe.servers.reference
     beta = recipe.setting("beta")
+    key = recipe.servers.api_key
+    if key and key.startswith("-") and any(spec.started for spec in recipe.servers.specs().values()):
+        problems.append(("servers.api_key", "starts with '-': the servers read the run's key from a --config file, "
+                                            "which SGLang turns into `--api-key -...` and refuses to start with "
+                                            "(\"expected one argument\"): choose a key that does not start with '-', "
+                                            "or remove it for a key generated per run"))
     for role, spec in recipe.servers.specs().items():
         key = f"servers.{role}"
         _check_replicas(spec, key, problems)
@@ -739,18 +809,22 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
             problems.append((f"{key}.extra_args", "the launchers give a server the run's API key in an owner-only file "
                                                   "(--config FILE) and keep it off the command line, where ps shows it: "
                                                   "remove --api-key / --config and set servers.api_key instead"))
+        on_gpus = spec.engine == "sglang" and spec.device != "cpu"
         for where, job in spec.resource_entries():
-            if spec.engine == "sglang" and spec.started and job.gpus_per_node == 0:
-                problems.append((f"{key}.{where}.gpus_per_node", "0: SGLang runs on GPUs; give the server job GPUs "
-                                                                 "(gpus_per_node >= 1) or use engine: builtin"))
-            elif spec.engine == "sglang" and spec.tp_size * spec.dp_size > max(job.nodes * job.gpus_per_node, 1):
+            if on_gpus and spec.started and job.gpus_per_node == 0:
+                problems.append((f"{key}.{where}.gpus_per_node", f"0: SGLang runs on GPUs; give the server job GPUs "
+                                                                 f"(gpus_per_node >= 1), set {key}.device: cpu (SGLang "
+                                                                 "on the CPU: for tests and small models) or use "
+                                                                 "engine: builtin"))
+            elif on_gpus and spec.tp_size * spec.dp_size > max(job.nodes * job.gpus_per_node, 1):
                 problems.append((f"{key}.tp_size", f"tp_size x dp_size = {spec.tp_size * spec.dp_size} needs more GPUs "
                                                    f"than {key}.{where} gives ({job.nodes} node(s) x {job.gpus_per_node})"))
             if spec.engine == "builtin" and (spec.tp_size != 1 or spec.dp_size != 1 or job.nodes != 1):
                 problems.append((f"{key}.tp_size", f"the built-in server runs on one device of one node: set tp_size 1, "
                                                    f"dp_size 1, {where}.nodes 1, or use engine: sglang"))
-            if spec.engine == "sglang" and spec.started:
+            if on_gpus and spec.started:
                 _check_sglang_nodes(spec, job.nodes, key, problems)
+        _check_device(spec, key, problems)
         if spec.extra_arg("--admin-api-key") is not None:
             problems.append((f"{key}.extra_args", "--admin-api-key locks /update_weights_from_disk and /flush_cache to "
                                                   "an admin key, which the launchers would have to put on the command "
@@ -815,6 +889,37 @@ def _check_replicas(spec: ServerSpec, key: str, problems: list) -> None:
     if isinstance(spec.resources, list) and len(spec.resources) != spec.replicas:
         problems.append((f"{key}.resources", f"a list of {len(spec.resources)} resource mapping(s) for replicas: "
                                              f"{spec.replicas}; give one per replica, or one mapping for all"))
+
+
+def _check_device(spec: ServerSpec, key: str, problems: list) -> None:
+    """`device` fits the server's jobs, and SGLang on the CPU is one process on one node (it is for tests and small
+    models: `tp_size`/`dp_size` > 1 need settings of its CPU backend that are not made here)."""
+    if not spec.started:
+        given = [name for name in ("device", "python") if getattr(spec, name) is not None]
+        if given:
+            problems.append((f"{key}.{given[0]}", f"a server already running at url ({spec.url}) is not started by the "
+                                                  f"launchers: remove {' and '.join(given)}"))
+        return
+    if spec.device is None:
+        return
+    for where, job in spec.resource_entries():
+        if spec.device == "cpu" and job.gpus_per_node > 0:
+            problems.append((f"{key}.{where}.gpus_per_node", f"{job.gpus_per_node}: device: cpu uses no GPU; set "
+                                                             "gpus_per_node: 0, or remove device to run on the GPUs"))
+        elif spec.device == "cuda" and job.gpus_per_node == 0:
+            problems.append((f"{key}.{where}.gpus_per_node", "0: device: cuda needs a GPU; give the server job GPUs "
+                                                             "(gpus_per_node >= 1) or set device: cpu"))
+        if spec.device == "cpu" and spec.engine == "sglang" and job.nodes != 1:
+            problems.append((f"{key}.{where}.nodes", f"{job.nodes}: SGLang on the CPU runs on one node; set nodes: 1"))
+    if spec.device == "cpu" and spec.engine == "sglang":
+        if spec.tp_size * spec.dp_size != 1:
+            problems.append((f"{key}.tp_size", "SGLang on the CPU (for tests and small models) runs with tp_size 1 and "
+                                               "dp_size 1: set both to 1, or run it on GPUs (remove device: cpu); for "
+                                               "more throughput, replicas"))
+        if spec.deterministic:
+            problems.append((f"{key}.deterministic", "SGLang on the CPU has no deterministic mode (its only CPU "
+                                                     "attention backend, torch_native, refuses "
+                                                     "--enable-deterministic-inference): set false"))
 
 
 def _check_sglang_nodes(spec: ServerSpec, nodes: int, key: str, problems: list) -> None:

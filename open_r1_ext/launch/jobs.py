@@ -702,7 +702,7 @@ def main(cli_args: Optional[list[str]] = None) -> int:
         if args.job == "trainer":
             return run_trainer_job(plan, ctx)
         cmd = node_command(plan, args.role, ctx, args.resources_index, args.port)
-        os.execv(cmd[0], cmd)  # this node's server or trainer replaces the entry: srun signals it directly
+        os.execvp(cmd[0], cmd)  # this node's server or trainer replaces the entry: srun signals it directly
     except RecipeError as err:
         log(f"{err}\nnothing started")
         return 2

@@ -38,6 +38,7 @@ class LocalServer:
     its `env` and its `name` (for messages)."""
 
     name = "server"
+    engine = ""  # "builtin" or "sglang": which protocol implementation it is
     env: dict[str, str] = {}
 
     def __init__(
@@ -56,6 +57,7 @@ class LocalServer:
         self.extra_args = tuple(extra_args)
         self.startup_timeout = startup_timeout
         self.process: Optional[subprocess.Popen] = None
+        self._launched_at = 0.0
 
     @property
     def url(self) -> str:
@@ -64,17 +66,27 @@ class LocalServer:
     def command(self) -> list[str]:
         raise NotImplementedError
 
-    def start(self) -> "BuiltinServer":
-        """Start the server and wait for /health. Started from the main thread, the server gets SIGTERM when this
-        process dies, however it dies (even SIGKILL): an embedded server never outlives its trainer. (From another
-        thread it would die with that thread, so there it is left to `stop()`.)"""
+    def start(self) -> "LocalServer":
+        """Start the server and wait for /health (`launch`, then `wait_until_healthy`)."""
+        return self.launch().wait_until_healthy()
+
+    def launch(self) -> "LocalServer":
+        """Start the server's process, not waiting for it. Started from the main thread, the server gets SIGTERM when
+        this process dies, however it dies (even SIGKILL): an embedded server never outlives its trainer. (From
+        another thread it would die with that thread, so there it is left to `stop()`.)"""
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         on_main_thread = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                         preexec_fn=die_with_parent if on_main_thread else None)
+        self._launched_at = time.monotonic()
+        return self
+
+    def wait_until_healthy(self) -> "LocalServer":
+        """Wait until the launched server answers /health: `ServerError` (naming its log) once it exits, or after
+        `startup_timeout` seconds from its launch."""
         client = SGLangClient(self.url)
-        deadline = time.monotonic() + self.startup_timeout
+        deadline = self._launched_at + self.startup_timeout
         where = f"; see {self.log_path}" if self.log_path else ""
         with WaitProgress(f"the {self.name} at {self.url}/health to start{where}", self.startup_timeout) as waiting:
             while not client.is_healthy(timeout=2.0):
@@ -110,6 +122,7 @@ class BuiltinServer(LocalServer):
     honours `sampling_seed`: seeded samples are reproducible)."""
 
     name = "built-in server"
+    engine = "builtin"
 
     def __init__(self, model_path: str, *args, deterministic: bool = False, **kwargs):
         super().__init__(model_path, *args, **kwargs)
@@ -120,15 +133,20 @@ class BuiltinServer(LocalServer):
                 "--host", self.host, "--port", str(self.port), "--log-level", "warning", *self.extra_args]
 
 
-# SGLang 0.5.23 on a CPU: the environment and flags it needs there (see the README's "SGLang on a CPU").
+# SGLang 0.5.23 on a CPU: the environment and flags it needs there (see the README's "SGLang on the CPU"); the one
+# place they live, for the test runner below and for a recipe's `device: cpu` (`slurm_plan.server_command`).
 SGLANG_CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}  # without it SGLang does not treat the machine as a CPU platform
 SGLANG_CPU_MAX_TOTAL_TOKENS = 8192  # KV-cache tokens; unbounded, SGLang sizes the cache from free RAM (~15 GB)
 
 
-def sglang_cpu_args(max_total_tokens: int = SGLANG_CPU_MAX_TOTAL_TOKENS) -> list[str]:
-    """The flags that run SGLang on a CPU: torch-native attention (the only CPU backend without Intel AMX) and a
-    bounded KV cache."""
-    return ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens)]
+def sglang_cpu_args(max_total_tokens: int = SGLANG_CPU_MAX_TOTAL_TOKENS, lora: bool = False) -> list[str]:
+    """The flags that run SGLang on a CPU: torch-native attention (the only CPU backend without Intel AMX), a bounded
+    KV cache, and `--sleep-on-idle` (without it the idle scheduler polls in a busy loop, a whole core per server:
+    measured 100% of a core idle, 0.6% with it); with `lora`, torch-native LoRA kernels (its default, csgmv, is
+    Triton's: GPU only)."""
+    lora_backend = ["--lora-backend", "torch_native"] if lora else []
+    return ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", str(max_total_tokens),
+            "--sleep-on-idle", *lora_backend]
 
 
 class SGLangServer(LocalServer):
@@ -137,6 +155,7 @@ class SGLangServer(LocalServer):
     small models. It takes 15-35 s to start and stops within ~10 s of SIGTERM."""
 
     name = "SGLang server"
+    engine = "sglang"
     env = SGLANG_CPU_ENV
 
     def __init__(self, model_path: str, *args, python: str, max_total_tokens: int = SGLANG_CPU_MAX_TOTAL_TOKENS,
@@ -145,5 +164,18 @@ class SGLangServer(LocalServer):
         self.python, self.max_total_tokens = str(python), max_total_tokens
 
     def command(self) -> list[str]:
+        cpu_args = sglang_cpu_args(self.max_total_tokens, lora="--enable-lora" in self.extra_args)
         return [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", self.host,
-                "--port", str(self.port), *sglang_cpu_args(self.max_total_tokens), *self.extra_args]
+                "--port", str(self.port), *cpu_args, *self.extra_args]
+
+
+class CommandServer(LocalServer):
+    """A server whose whole command line is given (a run's server as its recipe says, from
+    `slurm_plan.server_command`: what `open-r1-ext train` embeds), listening on `port` on this machine."""
+
+    def __init__(self, command: list[str], name: str, model_path: str, port: int, env: Optional[dict] = None, **kwargs):
+        super().__init__(model_path, port=port, **kwargs)
+        self.words, self.name, self.env = list(command), name, dict(env or {})
+
+    def command(self) -> list[str]:
+        return self.words

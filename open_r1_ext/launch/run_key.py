@@ -28,6 +28,13 @@ def key_file(run_dir: Path) -> Path:
     return Path(run_dir) / "api_key.yaml"  # .yaml: SGLang's --config takes no other suffix
 
 
+def new_key() -> str:
+    """A random key of 256 bits in hex: never starting with `-`, which SGLang's `--config` would pass on as a flag
+    (`api-key: -x` becomes `--api-key -x`, and SGLang exits "expected one argument"; `secrets.token_urlsafe` starts
+    with `-` once in 64)."""
+    return secrets.token_hex(32)
+
+
 def write_run_key(recipe: Recipe, run_dir: Path, warn: Callable[[str], None] = logger.warning) -> Optional[Path]:
     """A launch's key file: the recipe's key, else a new random one (256 bits). With `api_key: none` none is
     written (an old one is removed) and `warn` says what that leaves open. Returns the file, or None."""
@@ -42,7 +49,7 @@ def write_run_key(recipe: Recipe, run_dir: Path, warn: Callable[[str], None] = l
     tmp.unlink(missing_ok=True)
     descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # owner-only from its first byte
     with os.fdopen(descriptor, "w") as file:
-        file.write(f"{FLAG}: {json.dumps(recipe.servers.api_key or secrets.token_urlsafe(32))}\n")
+        file.write(f"{FLAG}: {json.dumps(recipe.servers.api_key or new_key())}\n")
     os.replace(tmp, path)
     return path
 

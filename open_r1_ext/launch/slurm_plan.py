@@ -1,11 +1,13 @@
 """A recipe as SLURM jobs: each job's sbatch options, its per-node command, and the run directory's files.
 
 What the job runtime (`jobs.py`, behind both `slurm/*.slurm` and the submitit launcher) reads; `describe` prints
-it for `--dry-run`. Pure: nothing here submits or waits.
+it for `--dry-run`. `server_command` is also what `open-r1-ext train` runs for an embedded server. Pure: nothing
+here submits or waits.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from open_r1_ext.config.recipe import Recipe, Resources, ServerSpec
+from open_r1_ext.launch.local_server import SGLANG_CPU_ENV, sglang_cpu_args
 from open_r1_ext.launch.run_key import key_file
 
 SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
@@ -235,30 +238,8 @@ class SlurmPlan:
                        index: int = 0, port: Optional[int] = None) -> list[Word]:
         """The command each node of server job `index` of a role runs; `head` is the job's first node (SGLang's
         rendezvous); `port` the one the job took (default: the spec's)."""
-        server, nodes, port = self.spec(role), self.resources(role, index).nodes, port or self.port(role)
-        common = ["--model-path", self.recipe.model_path(server), "--host", "0.0.0.0", "--port", port]
-        if server.engine == "sglang":
-            cmd: list[Word] = [sys.executable, "-m", "sglang.launch_server", *common,
-                               "--tp-size", server.tp_size, "--dp-size", server.dp_size]
-            if server.dtype != "auto":
-                cmd += ["--dtype", server.dtype]
-            if server.mem_fraction_static is not None:
-                cmd += ["--mem-fraction-static", server.mem_fraction_static]
-            if nodes > 1:
-                cmd += ["--nnodes", nodes, "--node-rank", node_rank,
-                        "--dist-init-addr", (head, f":{port + DIST_INIT_PORT_OFFSET}")]
-        else:
-            cmd = [sys.executable, "-m", "open_r1_ext.server", *common, "--dtype", server.dtype]
-            cmd += [] if self.recipe.ref_slot(SERVER_ROLES[role]) else ["--no-ref-slot"]
-        if server.deterministic:
-            cmd.append(DETERMINISTIC_FLAG)
-        if SERVER_ROLES[role] == "generation":  # model.use_peft: the server loads the policy's adapters (dynamic LoRA)
-            cmd += self.recipe.model.lora_server_flags()
-        if server.engine == "builtin":  # /update_weights_from_disk reads only this run's dumps (SGLang has no such flag)
-            cmd += ["--weight-dirs", self.recipe.sync_dir]
-        if self.recipe.servers.uses_key:  # the run's key, from its owner-only file: never on the command line (run_key.py)
-            cmd += ["--config", key_file(self.files.run_dir)]
-        return cmd + [str(a) for a in server.extra_args]
+        return server_command(self.recipe, SERVER_ROLES[role], port or self.port(role), nodes=self.resources(role, index).nodes,
+                              node_rank=node_rank, head=head)
 
     def trainer_command(self, node_rank: Union[int, ShellVar], main_addr: Union[str, ShellVar]) -> list[Word]:
         """`accelerate launch` of `open_r1_ext.train` on one node, its servers the replicas advertised in the address
@@ -315,6 +296,44 @@ class SlurmPlan:
             if not spec.started:
                 lines.append(f"{name} server: {spec.url} (given by the recipe; no server job)")
         return "\n".join(lines)
+
+
+def server_command(recipe: Recipe, role: str, port: int, host: str = "0.0.0.0", nodes: int = 1,
+                   node_rank: Union[int, ShellVar] = 0, head: Union[str, ShellVar] = "",
+                   local_args: Sequence[str] = ()) -> list[Word]:
+    """The command line of the recipe's server for `role` (`generation` or `reference`), either engine: what each
+    node of a server job runs (`SlurmPlan.server_command`) and what `open-r1-ext train` embeds. `head` is the first
+    of the job's `nodes` (SGLang's rendezvous); `local_args` go before the spec's `extra_args`, which come last (a
+    flag given twice: the last wins). SGLang on the CPU runs under `env SGLANG_USE_CPU_ENGINE=1`."""
+    server = recipe.servers.specs()[role]
+    python = server.python or sys.executable  # a path: made absolute here, a bare name: found on the job's PATH
+    python = os.path.abspath(os.path.expanduser(python)) if "/" in python else python
+    lora = recipe.model.lora_server_flags() if role == "generation" else []  # model.use_peft: dynamic LoRA
+    common = ["--model-path", recipe.model_path(server), "--host", host, "--port", port]
+    if server.engine == "sglang":
+        on_cpu = server.device == "cpu"
+        cmd: list[Word] = ["env", *(f"{k}={v}" for k, v in SGLANG_CPU_ENV.items())] if on_cpu else []
+        cmd += [python, "-m", "sglang.launch_server", *common, "--tp-size", server.tp_size, "--dp-size", server.dp_size]
+        cmd += sglang_cpu_args(lora=bool(lora)) if on_cpu else ["--device", server.device] if server.device else []
+        if server.dtype != "auto":
+            cmd += ["--dtype", server.dtype]
+        if server.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", server.mem_fraction_static]
+        if nodes > 1:
+            cmd += ["--nnodes", nodes, "--node-rank", node_rank,
+                    "--dist-init-addr", (head, f":{port + DIST_INIT_PORT_OFFSET}")]
+    else:
+        cmd = [python, "-m", "open_r1_ext.server", *common, "--dtype", server.dtype]
+        cmd += ["--device", server.device] if server.device else []
+        cmd += [] if recipe.ref_slot(role) else ["--no-ref-slot"]
+    if server.deterministic:
+        cmd.append(DETERMINISTIC_FLAG)
+    cmd += lora
+    if server.engine == "builtin":  # /update_weights_from_disk reads only this run's dumps (SGLang has no such flag)
+        cmd += ["--weight-dirs", recipe.sync_dir]
+    if recipe.servers.uses_key:  # the run's key, from its owner-only file: never on the command line (run_key.py)
+        cmd += ["--config", key_file(Path(recipe.output_dir).resolve())]
+    return cmd + list(local_args) + [str(a) for a in server.extra_args]
 
 
 def _option_item(option: str) -> tuple:

@@ -1,6 +1,6 @@
 """The built-in inference server: SGLang's native HTTP protocol on top of a transformers model.
 
-    python -m open_r1_ext.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY]
+    python -m open_r1_ext.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key KEY] [--admin-api-key KEY]
         [--enable-lora --max-lora-rank R --lora-target-modules M [M ...]]
 
 Routes are thin: they validate with `open_r1_ext.protocol` and `limits`, hand work to the `Batcher`, and have
@@ -25,7 +25,7 @@ import os
 import random
 import re
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from jinja2 import TemplateError
+from pydantic import ValidationError
 
 from open_r1_ext import __version__
 from open_r1_ext.server.batcher import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS, Batcher
@@ -63,6 +64,7 @@ from open_r1_ext.server.responses import (
     usage,
 )
 from open_r1_ext.protocol import (
+    ADMIN_ROUTES,
     LORA_TARGET_ALL,
     SGLANG_LORA_TARGET_MODULES,
     ChatCompletionRequest,
@@ -77,6 +79,7 @@ from open_r1_ext.protocol import (
     UpdateWeightFromDiskReqInput,
     error_body,
     lora_update_output,
+    max_req_input_len,
 )
 from open_r1_ext.weight_files import WeightFileError
 
@@ -96,9 +99,9 @@ class CacheNotFlushed(RuntimeError):
     """A reload with `flush_cache` while requests paused `in_place` hold a KV cache of the old weights."""
 
 
-# pydantic names the member of a union it tried in an error's location ("SamplingParams", "list[int]", "float"):
-# types, not fields, so they are left out of the field path a message names.
-_UNION_MEMBER = re.compile(r"^(int|float|str|bool|none|[A-Z]\w*|\w+\[.*\])$")
+# pydantic names the member of a union it tried, or a validator, in an error's location ("SamplingParams", "list[int]",
+# "float", "function-after[...]"): types, not fields, so they are left out of the field path a message names.
+_UNION_MEMBER = re.compile(r"^(int|float|str|bool|none|[A-Z]\w*|[\w-]+\[.*\])$")
 
 
 def _describe_validation_error(err: RequestValidationError) -> str:
@@ -131,8 +134,10 @@ REF_PREFIX = "/ref"
 def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[str] = None, random_seed: int = 0,
                context_length: Optional[int] = None, limits: Optional[Limits] = None,
                weight_dirs: Optional[list[str]] = None, deterministic: bool = False, text_only: bool = False,
-               incremental_streaming: bool = False) -> FastAPI:
+               incremental_streaming: bool = False, admin_api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI application serving each `(engine, batcher)` slot under its URL prefix ("" is the root).
+    `api_key`, `admin_api_key`: SGLang's `--api-key` and `--admin-api-key` (the admin routes, `ADMIN_ROUTES`, then
+    take only the admin key).
     `limits`: what one request may ask for (default: `Limits()`); `weight_dirs`: the directories
     `/update_weights_from_disk` may read below (None: any); `deterministic` (`--enable-deterministic-inference`):
     `sampling_seed` is honoured (else ignored, as SGLang does); `text_only` (`--openai-text-only`): `/v1/completions`
@@ -145,14 +150,20 @@ def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[
         app.include_router(slot_router(engine, batcher, random_seed, context_length, limits, allowed, deterministic,
                                        text_only, incremental_streaming), prefix=prefix)
 
-    if api_key:  # only then: the middleware costs every request a little
-        expected = f"Bearer {api_key}".encode()
+    if api_key or admin_api_key:  # only then: the middleware costs every request a little
+        normal = f"Bearer {api_key}".encode() if api_key else None
+        admin = f"Bearer {admin_api_key}".encode() if admin_api_key else None
+        admin_routes = {f"{prefix}{route}" for prefix in slots for route in ADMIN_ROUTES}
 
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
-            if not request.url.path.rsplit("/", 1)[-1].startswith("health"):
+            """As SGLang (`utils/auth.py`): /health* open; with an admin key the admin routes take only it; every
+            other route takes the API key, when there is one."""
+            path = request.url.path
+            if not path.rsplit("/", 1)[-1].startswith("health"):
+                expected = admin if admin is not None and path in admin_routes else normal
                 given = request.headers.get("Authorization", "").encode("latin-1")  # how the header was decoded
-                if not hmac.compare_digest(given, expected):  # constant time: no timing hints about the key
+                if expected is not None and not hmac.compare_digest(given, expected):  # constant time: no timing hints
                     return JSONResponse(status_code=401, content={"error": "Unauthorized"})
             return await call_next(request)
 
@@ -288,6 +299,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     app = APIRouter(route_class=OrjsonRoute)
     seeds = random.Random(random_seed)
     max_len = context_length or engine.context_length
+    max_input = max_req_input_len(max_len, limits.max_request_tokens)  # SGLang's bound (see max_total_num_tokens)
     started = int(time.time())
     in_flight: set[GenerationTask] = set()  # what a reload with abort_all_requests aborts
     reported: dict[str, str] = {}  # after a reload refused for an in-place pause: the model and version of the last good one
@@ -303,7 +315,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         return seeds.getrandbits(63)
 
     def check(prompts, sampling, starts, fields) -> None:
-        check_request(prompts, sampling, starts, fields, limits, engine.vocab_size, max_len)
+        check_request(prompts, sampling, starts, fields, limits, engine.vocab_size, max_len, max_input)
         for params in sampling:
             if params.logit_bias:
                 check_token_ids([[int(t) if t.lstrip("-").isdigit() else t for t in params.logit_bias]],
@@ -348,6 +360,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             "device": str(engine.device),
             "random_seed": random_seed,
             "context_length": max_len,
+            "max_req_input_len": max_input,  # as SGLang: an input of at least this many tokens is refused
             # SGLang's KV-cache size in tokens; the built-in server keeps no cache across requests, so its bound is
             # what one request may hold (--max-request-tokens)
             "max_total_num_tokens": limits.max_request_tokens,
@@ -614,7 +627,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         if text_only and not obj.text_prompts:
             raise BadRequest("prompt: this server (--openai-text-only) takes text prompts only")
         prompts = obj.prompts(tokenize)
-        params = obj.sampling()
+        params = openai_sampling(obj.sampling)
         n = 1 if text_only else obj.n  # a server like llama.cpp's answers one choice per prompt
         params = params.model_copy(update={"n": n})
         check(prompts, [params] * len(prompts), [-1] * len(prompts), COMPLETION_FIELDS)
@@ -687,7 +700,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     @app.post("/v1/chat/completions")
     async def chat_completions(obj: ChatCompletionRequest, request: Request) -> Any:
         prompt = chat_prompt(obj)
-        params = obj.sampling(max_len - len(prompt))
+        params = openai_sampling(lambda: obj.sampling(max_len - len(prompt)))
         if len(prompt) + params.max_new_tokens > max_len:  # named here: the prompt is the messages after the template
             raise BadRequest(f"messages: {len(prompt)} tokens after the chat template, plus max_completion_tokens "
                              f"({params.max_new_tokens}), is longer than the model's context length ({max_len} tokens)")
@@ -752,6 +765,20 @@ async def ending_with_error_event(chunks):
         yield SSE_DONE
 
 
+OPENAI_NAMES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}  # SGLang's sampling_params -> OpenAI's
+
+
+def openai_sampling(build: Callable[[], SamplingParams]) -> SamplingParams:
+    """A `/v1/*` request's settings as SGLang `sampling_params`; what SGLang refuses there (`top_k` 0, `min_tokens`
+    above the completion's length) is a 400 naming the request's field."""
+    try:
+        return build()
+    except ValidationError as err:
+        error = err.errors()[0]
+        name = error.get("ctx", {}).get("field") or str(error["loc"][-1] if error["loc"] else "body")
+        raise BadRequest(f"{OPENAI_NAMES.get(name, name)}: {error['msg']}") from err
+
+
 def top_of(ask: GenerateAsk) -> int:
     """Top log-probs are computed only for a request that asks for log-probs (as SGLang)."""
     return ask.top_logprobs_num if ask.return_logprob else 0
@@ -782,6 +809,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health*")
+    parser.add_argument("--admin-api-key", default=None,
+                        help="as SGLang: /update_weights_from_disk, /flush_cache and the LoRA load and unload routes "
+                             "take only this key (the other routes keep --api-key)")
     parser.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--random-seed", type=int, default=0, help="seeds the server's sampling (without --enable-deterministic-inference)")
@@ -882,7 +912,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         logger.info("slot %s: %s (%s, %s)", prefix or "/", path, engine.dtype, engine.device)
     limits = Limits(max_n=args.max_n, max_batch_items=args.max_batch_items, max_request_tokens=args.max_request_tokens,
                     max_body_bytes=args.max_body_bytes)
-    app = create_app(slots, api_key=args.api_key, random_seed=args.random_seed, context_length=args.context_length,
+    app = create_app(slots, api_key=args.api_key, admin_api_key=args.admin_api_key, random_seed=args.random_seed, context_length=args.context_length,
                      limits=limits, weight_dirs=args.weight_dirs, deterministic=args.enable_deterministic_inference,
                      text_only=args.openai_text_only, incremental_streaming=args.incremental_streaming_output)
     # The hundreds of thousands of objects torch, transformers and FastAPI leave on the heap are permanent: keep the

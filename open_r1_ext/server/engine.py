@@ -206,8 +206,9 @@ class ModelEngine:
         return next_ids
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
-        stops = set(params.stop_token_ids or ())
-        return stops if params.ignore_eos else stops | self.eos_token_ids
+        """The token ids that end a completion: `stop_token_ids` and the model's EOS; none with `ignore_eos`, which in
+        SGLang 0.5.23 turns off every token-based stop (`schedule_batch.py` ~1856-1858)."""
+        return set() if params.ignore_eos else set(params.stop_token_ids or ()) | self.eos_token_ids
 
     def _adjust_logits(self, logits: torch.Tensor, tasks: list[GenerationTask]) -> None:
         """In place, per row: `logit_bias` added; the stop tokens masked while fewer than `min_new_tokens` are out."""

@@ -45,8 +45,10 @@ CHAT_FIELDS = Fields("messages", "n", "max_completion_tokens", "stop_token_ids")
 
 
 def check_request(prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], starts: Sequence[int],
-                  fields: Fields, limits: Limits, vocab_size: int, context_length: int) -> None:
-    """Raise `BadRequest` naming the field unless the server can serve every prompt with its settings."""
+                  fields: Fields, limits: Limits, vocab_size: int, context_length: int, max_input_len: int) -> None:
+    """Raise `BadRequest` naming the field unless the server can serve every prompt with its settings: among them an
+    input shorter than `max_input_len` (`protocol.max_req_input_len`, SGLang's bound) whose length plus its new
+    tokens fits `context_length`."""
     if not prompts:
         raise BadRequest(f"{fields.prompts}: empty batch")
     if len(prompts) > limits.max_batch_items:
@@ -60,6 +62,10 @@ def check_request(prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingP
         if min(prompt) < 0 or max(prompt) >= vocab_size:
             bad = next(t for t in prompt if not 0 <= t < vocab_size)
             raise BadRequest(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt) >= max_input_len:
+            raise BadRequest(f"{where}: the input ({len(prompt)} tokens) is not shorter than the server's "
+                             f"max_req_input_len ({max_input_len} tokens: the context length {context_length} - 6, the "
+                             "margin SGLang keeps)")
         if len(prompt) + params.max_new_tokens > context_length:
             raise BadRequest(
                 f"{where}: the input ({len(prompt)} tokens) plus {fields.max_new_tokens} ({params.max_new_tokens}) "

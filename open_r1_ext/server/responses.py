@@ -42,13 +42,14 @@ class PromptLogprobs:
 def prompt_logprobs(engine: ModelEngine, prompt: list[int], scored: Optional[list[float]], start: int, want_text: bool,
                     tops: list, chosen: list) -> PromptLogprobs:
     """SGLang's `input_token_logprobs` (and `input_top_logprobs`, `input_token_ids_logprobs`) from `logprob_start_len`
-    on; at position 0 the log-prob (and each list) is null. `scored[i]`, `tops[i]`, `chosen[i]` are token i + 1's."""
+    on; at the first position returned the log-prob (and each list) is null, as SGLang 0.5.23 answers whatever the
+    start (`logprob_result_processor.py` ~38, 50). `scored[i]`, `tops[i]`, `chosen[i]` are token i + 1's."""
     if start < 0 or scored is None:
         return PromptLogprobs()
     ids = prompt[start:]
 
     def from_start(values):
-        return chain([None], values) if start == 0 else islice(values, start - 1, None)
+        return chain([None], islice(values, start, None))
 
     return PromptLogprobs(
         token_logprobs=logprob_entries(from_start(scored), ids, token_texts(engine, ids, want_text)),

@@ -94,7 +94,7 @@ class RemoteGeneration:
                                      keep_adapters=self.adapters_in_use())
             weight_sync.targets.append(self.target)
         self._weights_checked = False
-        self.context_length: Optional[int] = None  # read by `read_context_length` at start-up
+        self.sequence_limit: Optional[int] = None  # set at start-up (`RemoteGRPOTrainer._check_servers`)
         self.later_turn = False  # set while TRL's tool loop asks for the turns after a tool call
 
     # ------------------------------------------------------------ interface
@@ -108,12 +108,6 @@ class RemoteGeneration:
                                         self._seeds(len(prompt_ids), prompts_salt(prompt_ids)))()
         self._log_rollout(completions, served)
         return completions
-
-    def read_context_length(self, model_config) -> None:
-        """At start-up: the server's context length (`/server_info`), else the model's `max_position_embeddings`
-        (what SGLang takes when it was started without `--context-length`)."""
-        reported = self.client.context_length() if isinstance(self.client, (SGLangClient, ServerPool)) else None
-        self.context_length = reported or getattr(model_config, "max_position_embeddings", None)
 
     def check_sampling(self) -> None:
         """At start-up, after the server's probe: an OpenAI-compatible server refuses now the sampling settings it
@@ -238,10 +232,11 @@ class RemoteGeneration:
                     for group in groups for c in group]
 
     def _fitting(self, prompts: list[list[int]], sampling: dict) -> dict:
-        """`sampling`, checked to fit the server's context (SGLang answers 400 to a prompt + `max_new_tokens` past it,
-        failing the whole batch). A first turn that does not fit is refused before anything is sent, naming it; a
-        later turn of TRL's tool loop asks for what fits (TRL cuts those turns to the completion budget anyway)."""
-        limit, max_new = self.context_length, sampling["max_new_tokens"]
+        """`sampling`, checked to fit `sequence_limit`, the most tokens of prompt + completion the servers serve
+        (SGLang answers 400 to a prompt past it, failing the whole batch, and to a reference request of a sequence
+        past it). A first turn that does not fit is refused before anything is sent, naming it; a later turn of TRL's
+        tool loop asks for what fits (TRL cuts those turns to the completion budget anyway)."""
+        limit, max_new = self.sequence_limit, sampling["max_new_tokens"]
         if limit is None:
             return sampling
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -254,9 +249,10 @@ class RemoteGeneration:
         raise ValueError(
             f"prompt {longest} of this batch ({length} tokens: {text if len(text) <= 100 else text[:50] + ' ... ' + text[-50:]!r}) "
             f"plus max_completion_length={max_new} "
-            f"does not fit the generation server's context length of {limit} tokens "
-            f"({self.client.base_url}): shorten or filter out long prompts, lower max_completion_length, or start the "
-            "server with a larger --context-length")
+            f"does not fit the {limit} tokens of prompt + completion the servers serve (max_req_input_len - 1 in "
+            f"the /server_info of {self.client.base_url} and of the reference server: SGLang refuses an input of the "
+            "context length - 6 tokens or more): shorten or filter out long prompts, lower max_completion_length, or "
+            "start the servers with a larger --context-length")
 
     def _sampling_params(self) -> dict:
         trainer = self.trainer

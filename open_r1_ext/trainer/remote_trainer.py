@@ -156,8 +156,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
 
     def _check_servers(self) -> None:
         """Wait for each server, then refuse to train if it serves another model or vocabulary than ours, or cannot
-        do the soft reference update or load the LoRA adapters asked for; read the generation server's context
-        length."""
+        do the soft reference update or load the LoRA adapters asked for; check what fits their context."""
         progress = self.accelerator.is_main_process
         generation_client = self.remote_generation.client if self.remote_generation is not None else None
         for role, client in (("reference", self.ref_client), ("generation", generation_client)):
@@ -182,11 +181,28 @@ class RemoteGRPOTrainer(GRPOTrainer):
                     f"(its /server_info: enable_lora {info.get('enable_lora')}, max_lora_rank {info.get('max_lora_rank')}), "
                     f"which adapter-only weight sync sends it: start it with --enable-lora --max-lora-rank {rank} "
                     "--lora-target-modules all (or the adapter's modules)")
+        self._check_sequence_limit(generation_client)
         if self.remote_generation is not None:
-            self.remote_generation.read_context_length(self.model.config)
             self.remote_generation.check_sampling()
             if not self.remote_generation.gives_sampling_logprobs:
                 self._without_sampling_logprobs()
+
+    def _check_sequence_limit(self, generation_client) -> None:
+        """Before anything is sent: the most tokens of prompt + completion the servers serve (`sequence_limit`: SGLang
+        refuses an input of `/server_info.max_req_input_len` tokens or more, and a reference request's input is the
+        whole sequence), else the model's `max_position_embeddings`, must leave room for a prompt beside
+        `max_completion_length`. Remote generation checks each batch's prompts against it."""
+        clients = [c for c in (self.ref_client, generation_client) if isinstance(c, (SGLangClient, ServerPool))]
+        reported = [n for n in (c.sequence_limit() for c in clients) if n is not None]
+        limit = min(reported) if reported else getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and self.max_completion_length >= limit:
+            raise ValueError(
+                f"max_completion_length={self.max_completion_length} leaves no room for a prompt: the servers serve at "
+                f"most {limit} tokens of prompt + completion ({', '.join(c.base_url for c in clients) or 'the model'}; "
+                "SGLang refuses an input of the context length - 6 tokens or more, /server_info.max_req_input_len): "
+                "lower max_completion_length or start the servers with a larger --context-length")
+        if self.remote_generation is not None:
+            self.remote_generation.sequence_limit = limit
 
     def _time_steps(self, remote_reference: bool) -> None:
         """Log each step's parts (`step_timing.py`): those this run can have. Weight sync is timed around the calls

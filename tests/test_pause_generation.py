@@ -25,14 +25,13 @@ PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
 
 
-@pytest.fixture(params=["builtin", "sglang"])
-def any_server(request, tiny_model):
-    """Each test runs on the built-in server and on real SGLang (module-scoped servers), put back on the tiny model's
-    weights afterwards."""
-    srv = request.getfixturevalue("server" if request.param == "builtin" else "sglang_server")
-    yield srv
-    SGLangClient(srv.url).continue_generation()
-    restore_default_weights(srv.url, tiny_model)
+@pytest.fixture()
+def any_server(protocol_server, tiny_model):
+    """Each test runs on the built-in server and on real SGLang (`protocol_server`: the module's built-in server, the
+    SGLang server the protocol modules share), continued and put back on the tiny model's weights afterwards."""
+    yield protocol_server
+    SGLangClient(protocol_server.url).continue_generation()
+    restore_default_weights(protocol_server.url, tiny_model)
 
 
 class Streams:

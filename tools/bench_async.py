@@ -24,6 +24,7 @@ The machine is shared, so each round measures every side once, in an order rotat
 figures are medians over the rounds (with their spread).
 
     python tools/bench_async.py [--quick] [--json FILE] [--rounds N] [--part async|in-flight|both]
+        [--prompts-in-flight N]
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ SKIPPED_STEPS = 2  # warm-up: the first step, and async's first batch (generated
 
 
 def measure(model: Path, url: str, out: Path, mode: str, steps: int, completion_length: int,
-            long_tail: bool = False) -> dict:
+            long_tail: bool = False, prompts_in_flight: int = IN_FLIGHT_PROMPTS) -> dict:
     """Train `steps` steps in `mode` (`sync`, `async`, `in-flight`); the median wall seconds per step and of each
     `timing/*` part, and the trained completion tokens per second (all after the first `SKIPPED_STEPS` steps). With
     `long_tail`, the long-tailed workload of part 2 (`completion_length` the long completions' length)."""
@@ -70,7 +71,7 @@ def measure(model: Path, url: str, out: Path, mode: str, steps: int, completion_
     shape = dict(per_device_train_batch_size=8 * TAIL_PROMPTS, num_generations=8) if long_tail else dict(
         per_device_train_batch_size=16, num_generations=4)
     in_flight = dict(in_flight_updates=True, max_weight_staleness=IN_FLIGHT_STALENESS,
-                     max_prompts_in_flight=IN_FLIGHT_PROMPTS) if mode == "in-flight" else {}
+                     max_prompts_in_flight=prompts_in_flight) if mode == "in-flight" else {}
     args = RemoteGRPOConfig(
         output_dir=str(out), max_completion_length=completion_length, max_steps=steps, beta=0.0, learning_rate=1e-4,
         bf16=False, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
@@ -192,7 +193,8 @@ def async_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, comple
 IN_FLIGHT_SIDES = ("sync", "async", "in-flight")
 
 
-def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, long_length: int) -> dict:
+def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, long_length: int,
+                   prompts_in_flight: int = IN_FLIGHT_PROMPTS) -> dict:
     """Part 2: sync, one-step async and in-flight on the long-tailed workload, each once per round in a rotated order;
     prints its table, returns its `inflight.*` figures."""
     from open_r1_ext.sglang_client import SGLangClient
@@ -202,7 +204,8 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
     def side(mode: str):
         def run() -> dict:
             SGLangClient(url).update_weights_from_disk(str(model), weight_version="default")
-            return measure(model, url, tmp / f"tail-{mode}-{next(runs)}", mode, steps, long_length, long_tail=True)
+            return measure(model, url, tmp / f"tail-{mode}-{next(runs)}", mode, steps, long_length, long_tail=True,
+                           prompts_in_flight=prompts_in_flight)
         return run
 
     *measured, speedups_machine = bench_rounds([*(side(mode) for mode in IN_FLIGHT_SIDES), parallel_speedup], rounds)
@@ -216,7 +219,7 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
     print(f"Part 2: tiny model, {8 * TAIL_PROMPTS} completions ({TAIL_PROMPTS} prompt(s) x 8) per step, one completion "
           f"in {LONG_EVERY} {long_length} tokens long, the rest {short} (ignore_eos); {steps} steps per side and round (the first "
           f"{SKIPPED_STEPS} not timed), {rounds} round(s) in rotated order; in-flight with max_weight_staleness="
-          f"{IN_FLIGHT_STALENESS} and max_prompts_in_flight={IN_FLIGHT_PROMPTS}, one-step async with 1")
+          f"{IN_FLIGHT_STALENESS} and max_prompts_in_flight={prompts_in_flight}, one-step async with 1")
     for mode, runs in results.items():
         last = runs[-1]
         print(f"  {mode}: trained completions {statistics.median(r['mean_completion_length'] for r in runs):.1f} tokens "
@@ -248,7 +251,7 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
         "inflight.speedup_min": min(speedups), "inflight.speedup_max": max(speedups),
         "inflight.in_flight_vs_sync": median["in-flight"] / median["sync"],
         "inflight.target": TARGET_SPEEDUP_VS_ONE_STEP, "inflight.met": met, "inflight.rounds": rounds,
-        "inflight.max_weight_staleness": IN_FLIGHT_STALENESS, "inflight.max_prompts_in_flight": IN_FLIGHT_PROMPTS,
+        "inflight.max_weight_staleness": IN_FLIGHT_STALENESS, "inflight.max_prompts_in_flight": prompts_in_flight,
         "inflight.machine_parallel_speedup": machine, "inflight.round_machine_parallel_speedup": speedups_machine,
         "inflight.host_busy": machine < BUSY_SPEEDUP,
         **{f"inflight.last_round.{keys[mode]}.{key}": value for mode, runs in results.items()
@@ -265,6 +268,8 @@ def main() -> None:
                         help=f"part 2's long completions (the others: this / {LONG_FACTOR})")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of each part; default 3, 1 with --quick")
     parser.add_argument("--part", choices=("async", "in-flight", "both"), default="both")
+    parser.add_argument("--prompts-in-flight", type=int, default=IN_FLIGHT_PROMPTS,
+                        help="part 2's in-flight side: max_prompts_in_flight (the trainer's default is 2, twice a batch's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -282,7 +287,8 @@ def main() -> None:
                                           args.completion_length))
             if args.part in ("in-flight", "both"):
                 figures.update(in_flight_part(model, server.url, Path(tmp), rounds, 4 if args.quick else 64,
-                                              args.long_length // 2 if args.quick else args.long_length))
+                                              args.long_length // 2 if args.quick else args.long_length,
+                                              args.prompts_in_flight))
     if args.json:
         write_json(Path(args.json), {**facts, **figures})
 

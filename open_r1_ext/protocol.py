@@ -134,11 +134,11 @@ SGLANG_LORA_TARGET_MODULES = (
 )
 LORA_TARGET_ALL = "all"
 # Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1404-1488, ~1653,
-# ~1677, all `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130): the clients send it there, the built-in server checks
-# it there.
+# ~1677, ~1832, ~1845, all `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130): the clients send it there, the built-in
+# server checks it there.
 ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter",
                 "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
-                "/end_weight_update", "/update_weights_from_distributed")
+                "/end_weight_update", "/update_weights_from_distributed", "/pause_generation", "/continue_generation")
 # OpenAI's legacy completions return at most this many `top_logprobs` per token.
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's chat completions return at most this many `top_logprobs` per token.
@@ -387,6 +387,31 @@ class UpdateWeightsFromDistributedReqInput(_Strict):
         return self
 
 
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode (io_struct.py ~1946)
+
+
+class PauseGenerationReqInput(_Strict):
+    """Body of `POST /pause_generation` (SGLang 0.5.23, `io_struct.py` ~1927-1946): `abort` ends the requests under
+    way (finish reason `abort`, partial output); `retract` keeps them and drops their KV cache, recomputed with the
+    weights served at `/continue_generation`; `in_place` keeps them with their KV cache (a reload then needs
+    `flush_cache: false`). New requests wait until `/continue_generation`."""
+
+    unsupported = UNSUPPORTED_LORA_FIELDS
+    what = "SGLang's /pause_generation"
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(_Strict):
+    """Body of `POST /continue_generation` (`io_struct.py` ~1949-1955; `torch_empty_cache` frees CUDA's cached
+    blocks first, nothing to do on a CPU)."""
+
+    unsupported = UNSUPPORTED_LORA_FIELDS
+    what = "SGLang's /continue_generation"
+
+    torch_empty_cache: StrictBool = True
+
+
 class StreamOptions(_Strict):
     what = "OpenAI's stream_options"
 
@@ -575,12 +600,21 @@ TOKEN_ID_PREFIX = "token_id:"
 
 @dataclass
 class Completion:
-    """One sampled completion: token ids, their sampling log-probs, why it stopped, and the weights used."""
+    """One sampled completion: token ids, their sampling log-probs, why it stopped, and the weights used:
+    `weight_version` the last (the server's at the end), `weight_versions` each `(version, start, end)` span of its
+    tokens when the server reports them (SGLang's `meta_info.weight_versions`: the weights changed while it was being
+    sampled, e.g. under `/pause_generation`)."""
 
     token_ids: list[int]
     logprobs: Optional[list[float]]
     finish_reason: str
     weight_version: Optional[str]
+    weight_versions: Optional[list[tuple[str, int, int]]] = None
+
+    @property
+    def versions(self) -> list[Optional[str]]:
+        """The weight versions its tokens came from, oldest first (`[weight_version]` without spans)."""
+        return [span[0] for span in self.weight_versions] if self.weight_versions else [self.weight_version]
 
 
 def sampling_params(max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
@@ -632,6 +666,8 @@ def completion_from_generate(result: dict) -> Completion:
         logprobs=[float(e[0]) for e in meta["output_token_logprobs"]],
         finish_reason=(meta.get("finish_reason") or {}).get("type", "length"),
         weight_version=meta.get("weight_version"),
+        weight_versions=[(str(span["version"]), int(span["start"]), int(span["end"]))
+                         for span in meta.get("weight_versions") or ()] or None,
     )
 
 

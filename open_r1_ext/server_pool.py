@@ -396,9 +396,12 @@ class ServerPool:
 
     # ------------------------------------------------------------ the work
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict, n: int = 1,
-                 seeds: Optional[Sequence[int]] = None, lora_path: Optional[str] = None) -> list[list[Completion]]:
+                 seeds: Optional[Sequence[int]] = None, lora_path: Optional[str] = None, keep_aborted: bool = False,
+                 any_version: bool = False) -> list[list[Completion]]:
         """`SGLangClient.generate` over the pool: each prompt's `n` samples on one replica, the prompts spread by
-        least outstanding tokens; `served_by()` then names the replica of each prompt."""
+        least outstanding tokens; `served_by()` then names the replica of each prompt. A replica that answers from
+        other weights than the pool's is caught up and its part sent elsewhere, unless `any_version` (in-flight
+        updates: a completion may span the weights of several syncs, and its caller judges each by its versions)."""
         prompts = [list(map(int, p)) for p in prompts]
         if seeds is not None and len(seeds) != len(prompts) * n:
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts) * n} samples")
@@ -407,10 +410,10 @@ class ServerPool:
         def send(replica: Replica, part: list[int]) -> list[list[Completion]]:
             part_seeds = None if seeds is None else [seeds[i * n + k] for i in part for k in range(n)]
             groups = replica.client.generate([prompts[i] for i in part], sampling, n=n, seeds=part_seeds,
-                                           lora_path=lora_path)
+                                           lora_path=lora_path, keep_aborted=keep_aborted)
             weights = self._weights
             if any(is_partial(c.weight_version) for group in groups for c in group) or (
-                    weights is not None and weights.version is not None
+                    not any_version and weights is not None and weights.version is not None
                     and any(c.weight_version not in (None, weights.version) for group in groups for c in group)):
                 raise _Behind(f"{replica.url} sampled from other weights than {weights.version if weights else 'its own'}")
             return groups
@@ -511,6 +514,18 @@ class ServerPool:
             self._weights = _Weights(str(model_path), None if weight_version is None else str(weight_version), extra)
         self._serving()  # replicas lost on the way: wait for them to come back (with these weights)
         return {"success": True, "message": f"{len(confirmed)} replica(s) loaded {model_path}", "replicas": confirmed}
+
+    def pause_generation(self, mode: str = "retract") -> dict:
+        """`SGLangClient.pause_generation` on every serving replica at once; one that does not answer is dropped (its
+        requests in flight fail and are sent to the others)."""
+        answers = self._on_every_replica(lambda client: client.pause_generation(mode), lambda replica, _: None)
+        return {"message": f"{len(answers)} replica(s) paused ({mode})", "status": "ok", "replicas": sorted(answers)}
+
+    def continue_generation(self) -> dict:
+        """`SGLangClient.continue_generation` on every serving replica at once (a replica that was not paused: a
+        no-op there); one that does not answer is dropped."""
+        answers = self._on_every_replica(lambda client: client.continue_generation(), lambda replica, _: None)
+        return {"message": f"{len(answers)} replica(s) continued", "status": "ok", "replicas": sorted(answers)}
 
     def expect_weights(self, model_path: Optional[str], weight_version: Optional[str] = None, **extra: Any) -> None:
         """Take an update another process's pool made (the main trainer process's) as this pool's weights: no

@@ -296,12 +296,15 @@ class SGLangClient:
         n: int = 1,
         seeds: Optional[Sequence[int]] = None,
         lora_path: Optional[str] = None,
+        keep_aborted: bool = False,
     ) -> list[list[Completion]]:
         """Sample `n` completions of each prompt; returns them prompt by prompt.
 
         Each copy is its own request item with its own `sampling_seed` (from `seeds`, `len(prompts) * n` of them,
         prompt-major), so copies differ even on a server in deterministic mode. `lora_path`: the name of a loaded
-        LoRA adapter (`load_lora_adapter`) every item samples with; None samples with the base model.
+        LoRA adapter (`load_lora_adapter`) every item samples with; None samples with the base model. An item the
+        server aborted is sent again (see `_batched_generate`), unless `keep_aborted`: then it is returned as it came
+        (`finish_reason` "abort", partial), for the caller to judge.
         """
         items = [list(map(int, p)) for p in prompts for _ in range(n)]
         if seeds is not None and len(seeds) != len(items):
@@ -313,7 +316,8 @@ class SGLangClient:
         def body(batch):
             return generate_request([ids for ids, _ in batch], [p for _, p in batch], lora_path)
 
-        results = self._batched_generate(indexed, body, [len(ids) + max_new for ids in items])
+        sizes = [len(ids) + max_new for ids in items]
+        results = self._send_generate(indexed, body, sizes) if keep_aborted else self._batched_generate(indexed, body, sizes)
         flat = [completion_from_generate(r) for r in results]
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -326,6 +330,17 @@ class SGLangClient:
         _check_dump(model_path, f"{self.base_url}/update_weights_from_disk")
         return self._post_checked("/update_weights_from_disk", update_weights_request(model_path, weight_version, **extra),
                                   f"the weights in {model_path}", "message")
+
+    def pause_generation(self, mode: str = "retract") -> dict:
+        """SGLang's `/pause_generation`: `retract` (the requests under way keep their tokens; their KV cache is
+        recomputed with the weights served at `continue_generation`, so the tokens after it come from those weights,
+        and each answer's `weight_versions` says which tokens came from which), `in_place` (they keep their KV cache)
+        or `abort` (they end, `finish_reason` abort). Requests sent meanwhile wait; a reload runs at once."""
+        return self.post_json("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        """SGLang's `/continue_generation`: what `pause_generation` held goes on (a no-op when not paused)."""
+        return self.post_json("/continue_generation", {})
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """Load the PEFT adapter directory `lora_path` (one the server can read) under the name `lora_name`, which

@@ -108,6 +108,15 @@ def test_bench_async_quick_writes_json(tmp_path):
     assert isinstance(figures["async.met"], bool) and isinstance(figures["async.host_busy"], bool)
     assert len(figures["async.round_ratio"]) == figures["async.rounds"] == 1
     assert figures["async.sync_generation_share"] < figures["async.sync_rollout_chain_share"] < 1
+    # part 2: in-flight updates vs one-step async on the long-tailed workload
+    assert_finite_positive(figures, [
+        *(f"inflight.{side}_tokens_per_s" for side in ("sync", "one_step", "in_flight")),
+        "inflight.speedup_vs_one_step", "inflight.speedup_min", "inflight.speedup_max", "inflight.target",
+        "inflight.in_flight_vs_sync", "inflight.machine_parallel_speedup", "inflight.last_round.in_flight.timing/train",
+        "inflight.last_round.in_flight.background/paused", "inflight.last_round.in_flight.background/reload",
+        "inflight.last_round.one_step.background/generate", "inflight.last_round.sync.timing/generate"])
+    assert "inflight.last_round.in_flight.timing/group_wait" in figures and isinstance(figures["inflight.met"], bool)
+    assert figures["inflight.round_speedup_vs_one_step"] == [figures["inflight.speedup_vs_one_step"]]
 
 
 def test_bench_pool_quick_writes_json(tmp_path):

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from open_r1_ext.launch.local_server import BuiltinServer
 from open_r1_ext.server.batcher import Batcher
-from open_r1_ext.server.engine import GenerationTask
+from open_r1_ext.server.engine import GenerationTask, ModelEngine
 from open_r1_ext.server.limits import Limits
 from open_r1_ext.protocol import SamplingParams
 from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
@@ -144,36 +144,29 @@ def test_a_top_p_that_underflows_float32_still_samples_the_most_likely_token(ser
     assert tiny_p.json()["output_ids"] == greedy["output_ids"]
 
 
-class _FakeEngine:
-    """Generates one token (the seed) per task; a task with seed -1 raises, like a value overflowing in torch."""
-
-    def __init__(self):
-        self.batch_sizes = []
-
-    def generate(self, tasks):
-        self.batch_sizes.append(len(tasks))
-        for task in tasks:
-            if task.seed == -1:
-                raise OverflowError("seed -1 cannot be used")
-            task.output_ids = [task.seed]  # from scratch, as the real engine: a failed batch is run again
-        return tasks
-
-
-def test_a_failure_inside_a_batch_fails_only_the_request_that_caused_it():
-    engine = _FakeEngine()
-    batcher = Batcher(engine, max_wait_ms=2000)  # type: ignore[arg-type]
+def test_a_failure_inside_a_batch_fails_only_the_request_that_caused_it(tiny_model):
+    """Three requests start together (one prefill of 4 rows); a token id past the vocabulary makes it fail, as a value
+    overflowing in torch would: each request is started again alone, and only the bad one gets the error."""
+    engine = ModelEngine(str(tiny_model))
+    rows = []
+    forward = engine._forward
+    engine._forward = lambda adapters, **inputs: rows.append(len(adapters)) or forward(adapters, **inputs)
+    batcher = Batcher(engine, max_wait_ms=2000)
     try:
         gate = threading.Event()
         busy = batcher.call_exclusive(gate.wait)  # the worker waits while the three requests queue up
-        params = SamplingParams(max_new_tokens=1)
-        futures = [batcher.generate([GenerationTask([1], params, seed) for seed in seeds]) for seeds in ([1, 2], [-1], [3])]
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        prompts = ([[1, 2], [3, 4]], [[10**6]], [[5, 6]])
+        futures = [batcher.generate([GenerationTask(p, params, 0) for p in group]) for group in prompts]
         gate.set()
         busy.result(timeout=10)
-        assert [t.output_ids for t in futures[0].result(timeout=10)] == [[1], [2]]
-        assert [t.output_ids for t in futures[2].result(timeout=10)] == [[3]]
-        with pytest.raises(OverflowError):
+        together = [[t.output_ids for t in futures[i].result(timeout=10)] for i in (0, 2)]
+        with pytest.raises(IndexError):
             futures[1].result(timeout=10)
-        assert engine.batch_sizes[0] == 4, "the three requests were not batched together"
+        assert rows[0] == 4, "the three requests were not started together"
+        assert not engine.live_tasks
+        alone = [engine.generate([GenerationTask(p, params, 0)])[0].output_ids for p in ([1, 2], [3, 4], [5, 6])]
+        assert together == [alone[:2], alone[2:]]
     finally:
         batcher.close()
 

@@ -162,6 +162,30 @@ class RemoteGRPOConfig(GRPOConfig):
             process). Batches are then up to `max_weight_staleness` steps off-policy (at least 1: set to 1 when 0),
             corrected by TRL's truncated importance sampling (`vllm_importance_sampling_correction`, on by
             default); the staleness of each batch is logged. Needs `generation_url` and `weight_sync_steps=1`.
+        in_flight_updates (`bool`, *optional*, defaults to `False`):
+            With `async_generation`: generation never waits for a weight sync, nor training for a whole batch. Each
+            trainer process keeps up to `max_prompts_in_flight` prompts on the generation servers, one request per
+            prompt (its group of `num_generations` completions), and a step trains on the next groups to complete,
+            in the order they complete, not on the batch it read. A weight sync pauses every server
+            (`/pause_generation` mode `retract`), reloads and continues (`/continue_generation`): the completions
+            under way go on with the new weights, their KV cache recomputed, so one completion may span several
+            weight versions, each token's sampling log-prob the one it was drawn with (TRL's truncated importance
+            sampling corrects per token). A completion's staleness counts from its oldest token: the step it trains
+            at minus the version of the weights that token was drawn with; a group's is its completions' largest.
+            A group whose staleness would exceed `max_weight_staleness` when a step takes it is dropped, never
+            trained on, and its prompt sent again (logged in `rollouts.jsonl`, counted in `inflight/dropped_groups`);
+            set `max_weight_staleness` to at least the steps your longest completions take, or they are dropped
+            over and over (biasing training towards short completions). Before a step takes groups, the main process
+            waits for the reload that makes them possible (`timing/reload_wait`). The groups read but not trained
+            when a checkpoint is saved are saved with it and drawn again on resume (the data loader resumes after
+            the trained batches, as TRL's). Needs generation on SGLang-protocol servers (SGLang, or the built-in
+            server), full-weight sync (not adapter-only LoRA), and every optimizer step to train whole generation
+            batches (`gradient_accumulation_steps` a multiple of `steps_per_generation x num_iterations`).
+        max_prompts_in_flight (`int` or `None`, *optional*, defaults to `None`):
+            With `in_flight_updates`: the most prompts a trainer process has read from the data and not yet handed to
+            a training step (sent to a server, or complete and waiting), each a group of `num_generations`
+            completions; None is twice the prompts of a generation batch. More keeps the servers busier through
+            long completions, at the price of staleness; at least the prompts of one generation batch.
     """
 
     ref_model_url: Optional[Union[str, list[str]]] = field(
@@ -274,6 +298,16 @@ class RemoteGRPOConfig(GRPOConfig):
         metadata={"help": "Generate the next batch while the current one trains (off-policy by max_weight_staleness).",
                   **SYNC},
     )
+    in_flight_updates: bool = field(
+        default=False,
+        metadata={"help": "With async_generation: keep prompts in flight on the servers, pause-reload-continue them at "
+                          "each weight sync, train on groups as they complete.", **SYNC},
+    )
+    max_prompts_in_flight: Optional[int] = field(
+        default=None,
+        metadata={"help": "With in_flight_updates: prompts read and not yet trained, per process (default: twice a "
+                          "generation batch's).", **SYNC},
+    )
 
     def __post_init__(self):
         steps, epochs = self.ref_model_sync_steps, self.ref_model_sync_epochs
@@ -360,6 +394,39 @@ class RemoteGRPOConfig(GRPOConfig):
                 raise ValueError(f"async_generation=True needs weight_sync_steps=1 (got {self.weight_sync_steps}): "
                                  "its staleness bound counts one reload per step")
             self.max_weight_staleness = max(self.max_weight_staleness, 1)
+        self._check_in_flight()
+
+    def _check_in_flight(self) -> None:
+        """`in_flight_updates` and `max_prompts_in_flight`: what they need (see the class docstring)."""
+        if self.max_prompts_in_flight is not None and self.max_prompts_in_flight < 1:
+            raise ValueError(f"max_prompts_in_flight={self.max_prompts_in_flight}: must be >= 1")
+        if not self.in_flight_updates:
+            return
+        if not self.async_generation:
+            raise ValueError("in_flight_updates=True needs async_generation=True (it keeps generation running beside "
+                             "training)")
+        if self.generation_backend != "sglang":
+            raise ValueError("in_flight_updates=True needs generation_backend='sglang': it pauses and continues the "
+                             "servers with SGLang's /pause_generation and /continue_generation")
+        if self.transport != "disk":
+            raise ValueError(f"in_flight_updates=True needs transport='disk' (got {self.transport!r}): its pause, reload, "
+                             "continue cycle reloads a dump; the network transport does not pause the servers yet")
+        period = self.steps_per_generation * self.num_iterations
+        if self.gradient_accumulation_steps % period:
+            raise ValueError(
+                f"in_flight_updates=True needs every optimizer step to train whole generation batches: "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not a multiple of steps_per_generation "
+                f"x num_iterations = {period} (else a checkpoint could fall inside a batch whose groups it cannot "
+                "name); use the defaults (steps_per_generation = gradient_accumulation_steps, num_iterations = 1)")
+        rows = self.per_device_train_batch_size * self.steps_per_generation
+        if rows % self.num_generations:
+            raise ValueError(
+                f"in_flight_updates=True needs each process's generation batch to hold whole groups: "
+                f"per_device_train_batch_size x steps_per_generation = {rows} is not a multiple of num_generations="
+                f"{self.num_generations}")
+        if self.max_prompts_in_flight is not None and self.max_prompts_in_flight < rows // self.num_generations:
+            raise ValueError(f"max_prompts_in_flight={self.max_prompts_in_flight}: at least the prompts of one generation "
+                             f"batch per process ({rows // self.num_generations}), or a step could never fill")
 
     @property
     def generation_on_server(self) -> bool:

@@ -118,7 +118,7 @@ def plot_run(run_dir: Path, out: Path) -> list[str]:
     draw("loss", {"loss": series(steps, "loss")})
     draw("step time (s)", step_times(steps), stacked=True)
     draw("weight sync (s)", parts(steps, SYNC_PARTS), stacked=True)
-    rollouts = read_jsonl(run_dir / "rollouts.jsonl")
+    rollouts = [r for r in read_jsonl(run_dir / "rollouts.jsonl") if not r.get("dropped")]  # trained ones
     draw("staleness (steps)", {"staleness": ([r["step"] for r in rollouts], [r["staleness"] for r in rollouts])})
     panels["staleness (steps)"].set_ylim(-0.2, max([1] + [r["staleness"] for r in rollouts]) + 0.5)
     panels["staleness (steps)"].yaxis.get_major_locator().set_params(integer=True)

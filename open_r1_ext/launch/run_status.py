@@ -180,12 +180,20 @@ def last_syncs(run_dir: Path) -> dict[str, dict]:
 
 
 def staleness(run_dir: Path) -> Optional[dict]:
-    """The last batch's staleness (steps between the weights it was sampled from and the policy it trained) and
-    the largest so far, from rollouts.jsonl."""
+    """The last step's staleness (steps between the weights its completions were sampled from, their oldest token,
+    and the policy it trained) and the largest so far, from rollouts.jsonl. With in-flight updates (an entry per group),
+    also the weight versions the last step's groups came from and the groups dropped as too stale so far."""
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
-    if not rollouts:
+    trained = [r for r in rollouts if not r.get("dropped")]
+    if not trained:
         return None
-    return {"step": rollouts[-1]["step"], "last": rollouts[-1]["staleness"], "max": max(r["staleness"] for r in rollouts)}
+    last = [r for r in trained if r["step"] == trained[-1]["step"]]
+    found = {"step": last[-1]["step"], "last": max(r["staleness"] for r in last),
+             "max": max(r["staleness"] for r in trained)}
+    if "group" in last[-1]:
+        found["versions"] = sorted({v for r in last for v in r["versions"]})
+        found["dropped"] = len(rollouts) - len(trained)
+    return found
 
 
 def _iso(timestamp: float) -> str:
@@ -258,9 +266,12 @@ def format_status(status: dict) -> str:
     for role, sync in status["last_sync"].items():
         lines.append(f"sync      {role}: step {sync['step']} (weights {sync['weight_version']}), "
                      f"{_duration(sync['age_s'])} ago")
-    if status["staleness"]:
-        lines.append(f"staleness {status['staleness']['last']} step(s) at step {status['staleness']['step']} "
-                     f"(max {status['staleness']['max']})")
+    found = status["staleness"]
+    if found:
+        in_flight = "" if "versions" not in found else (
+            f"; in flight: its groups from weights {', '.join(map(str, found['versions']))}; "
+            f"{found['dropped']} group(s) dropped as too stale (sent again) so far")
+        lines.append(f"staleness {found['last']} step(s) at step {found['step']} (max {found['max']}){in_flight}")
     for i, event in enumerate(status["events"]):
         lines.append(f"{'events' if i == 0 else '':<10}{event['at']} {event['message']}")
     return "\n".join(lines)

@@ -9,8 +9,9 @@ and every SGLang field this server does not do, gets HTTP 400 naming the field (
 same clients as a real SGLang server (`/generate`, `/update_weights_from_disk`, `/model_info`, `/server_info` and
 their `/get_*` names, `/health`, `/health_generate`, `/flush_cache`, `/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, SGLang's dynamic LoRA: `/load_lora_adapter`, `/unload_lora_adapter`, `lora_path` on `/generate`, and
-its distributed weight update: `/init_weights_update_group`, `/begin_weight_update`, `/update_weights_from_distributed`,
-`/end_weight_update`, `/destroy_weights_update_group`, in `weight_update_routes`).
+`/pause_generation`, `/continue_generation`, and its distributed weight update: `/init_weights_update_group`,
+`/begin_weight_update`, `/update_weights_from_distributed`, `/end_weight_update`, `/destroy_weights_update_group`, in
+`weight_update_routes`).
 Two model slots: the policy at `/` and, under `/ref/...`, a second model (the reference, `--ref-model-path`,
 default the same weights) that reloads independently, so one process can host both roles of a GRPO run.
 """
@@ -72,10 +73,12 @@ from open_r1_ext.protocol import (
     BeginWeightUpdateReqInput,
     ChatCompletionRequest,
     CompletionRequest,
+    ContinueGenerationReqInput,
     DestroyWeightsUpdateGroupReqInput,
     EndWeightUpdateReqInput,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
+    PauseGenerationReqInput,
     LoadLoRAAdapterReqInput,
     SamplingParams,
     StreamOptions,
@@ -94,6 +97,14 @@ HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)  # /health_g
 DETERMINISTIC_DEFAULT_SEED = 42  # SGLang's seed for a request without `sampling_seed` in deterministic mode
 LOAD_FORMATS = (None, "auto", "safetensors")
 LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."  # SGLang's words
+# SGLang's answer to a reload that flushes the cache while requests paused in place keep theirs
+# (`scheduler_components/weight_updater.py` ~120-133); the weights and version have changed all the same.
+CACHE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
+                     "Retract or finish them, then call /flush_cache.")
+
+
+class CacheNotFlushed(RuntimeError):
+    """A reload with `flush_cache` while requests paused `in_place` hold a KV cache of the old weights."""
 
 
 # pydantic names the member of a union it tried, or a validator, in an error's location ("SamplingParams", "list[int]",
@@ -301,6 +312,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     max_input = max_req_input_len(max_len, limits.max_request_tokens)  # SGLang's bound (see max_total_num_tokens)
     started = int(time.time())
     in_flight: set[GenerationTask] = set()  # what a reload with abort_all_requests aborts
+    reported: dict[str, str] = {}  # after a reload refused for an in-place pause: the model and version of the last good one
     loras: dict[str, tuple[str, str]] = {}  # LoRA adapters served: lora_name -> (the engine's adapter id, lora_path)
     lora_names_busy: set[str] = set()  # names being loaded
     lora_names_unloaded: set[str] = set()  # names unloaded (and not loaded again): a request naming one is told so
@@ -338,10 +350,10 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
     async def model_info() -> dict:
         config = engine.model.config
         return {
-            "model_path": engine.loaded_path,
+            "model_path": reported.get("model_path", engine.loaded_path),
             "tokenizer_path": engine.model_path,
             "is_generation": True,
-            "weight_version": engine.weight_version,
+            "weight_version": reported.get("weight_version", engine.weight_version),
             "model_type": getattr(config, "model_type", None),
             "architectures": getattr(config, "architectures", None),
             "vocab_size": engine.vocab_size,
@@ -366,7 +378,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             "batches_run": batcher.batches_run,
             "sequences_generated": batcher.sequences_generated,
             "sequences_scored": batcher.sequences_scored,
-            "weight_version": engine.weight_version,
+            "weight_version": reported.get("weight_version", engine.weight_version),
             "enable_deterministic_inference": deterministic,
             "supports_weight_mixup": True,  # `mixup_alpha` on /update_weights_from_disk (SGLang has none)
             "openai_text_only": text_only,
@@ -384,15 +396,43 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         if obj.load_format not in LOAD_FORMATS:
             raise BadRequest(f"load_format {obj.load_format!r} is not supported by the built-in server; use 'auto'")
         aborted = abort_in_flight(in_flight) if obj.abort_all_requests else 0
-        future = batcher.call_exclusive(lambda: engine.load_weights(_allowed(obj.model_path, weight_dirs), obj.weight_version, obj.mixup_alpha))
+
+        def reload() -> str:
+            before = {"model_path": engine.loaded_path, "weight_version": engine.weight_version}
+            message = engine.load_weights(_allowed(obj.model_path, weight_dirs), obj.weight_version, obj.mixup_alpha)
+            if obj.flush_cache and batcher.holds_kv():
+                # as SGLang: the weights changed and samples say the new version, while /model_info keeps reporting
+                # the last reload that succeeded
+                reported.setdefault("model_path", before["model_path"])
+                reported.setdefault("weight_version", before["weight_version"])
+                raise CacheNotFlushed(CACHE_NOT_FLUSHED)
+            reported.clear()
+            return message
+
         try:
-            message = await asyncio.wrap_future(future)
-        except (WeightFileError, OSError) as err:
+            message = await asyncio.wrap_future(batcher.call_exclusive(reload))
+        except (WeightFileError, OSError, CacheNotFlushed) as err:
             logger.warning("weight update from %s refused: %s", obj.model_path, err)
             content = {"success": False, "message": str(err), "num_paused_requests": 0}
             return JSONResponse(status_code=400, content=content)
         logger.info("%s (weight_version=%s, %d requests aborted)", message, engine.weight_version, aborted)
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    @app.post("/pause_generation")
+    async def pause_generation(obj: PauseGenerationReqInput) -> JSONResponse:
+        """As SGLang 0.5.23 (`tokenizer_manager.py` ~2267, `scheduler.py` ~5817): answered once the pause is in force
+        (with `abort`, once the aborted requests are answered); pausing again is fine."""
+        await asyncio.wrap_future(batcher.pause(obj.mode))
+        logger.info("generation paused (%s)", obj.mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(obj: ContinueGenerationReqInput) -> JSONResponse:
+        """As SGLang: requests retracted by the pause are prefilled again with the weights now served; a no-op when not
+        paused."""
+        await asyncio.wrap_future(batcher.resume())
+        logger.info("generation continued")
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     def lora_answer(error: Optional[str] = None) -> JSONResponse:
         """SGLang's answer to a LoRA load/unload: HTTP 400 when it failed."""
@@ -460,7 +500,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         try:
             gen_future = asyncio.wrap_future(batcher.generate(tasks)) if tasks else None
             score_future = asyncio.wrap_future(batcher.score(to_score, adapters)) if to_score else None
-            detail_future = asyncio.wrap_future(batcher.call_exclusive(
+            detail_future = asyncio.wrap_future(batcher.call_between_steps(
                 lambda: [engine.score_top(*entry) for entry in detailed])) if detailed else None
             _handed_in(request)
             scored = await score_future if score_future is not None else []

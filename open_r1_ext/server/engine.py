@@ -1,7 +1,8 @@
 """The built-in server's model work: batched log-prob scoring, batched sampling, weight reloads and LoRA adapters.
 
 A `ModelEngine` owns one transformers causal LM on CPU or one GPU, and with `--enable-lora` the PEFT LoRA adapters
-loaded beside it (peft's multi-adapter model: each row of a batch runs with its own adapter, or none). It knows nothing
+loaded beside it (peft's multi-adapter model: each row of a batch runs with its own adapter, or none). Sampling runs
+in a `DecodeBatch` (continuous batching: sequences join at a step boundary and leave once finished). It knows nothing
 of HTTP; the batcher (`open_r1_ext.server.batcher`) calls it from a single worker thread, so weights never change
 under a forward.
 """
@@ -47,7 +48,8 @@ class GenerationTask:
     log-probs (`output_top_logprobs`, `output_token_ids_logprobs`: `(logprob, id)` pairs). `on_token`, if set, is
     called on the worker thread after every sampled token (streaming). `abort()` stops it at the next step with
     finish reason `abort`. `adapter`: the id of the LoRA adapter it samples with (`ModelEngine.load_adapter`; None:
-    the base model)."""
+    the base model). `version_events`: `(weight version, tokens sampled by then)` for each weight change while it was
+    under way (SGLang's `weight_version_events`, from which its answer's `weight_versions` spans are computed)."""
 
     prompt: list[int]
     params: SamplingParams
@@ -62,6 +64,8 @@ class GenerationTask:
     output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     finish: Optional[tuple[str, Any]] = None
     aborted: bool = False
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+    generator: Optional[torch.Generator] = None  # its own random stream, made when it first joins a `DecodeBatch`
 
     def abort(self) -> None:
         self.aborted = True
@@ -90,6 +94,7 @@ class ModelEngine:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.live_tasks: set[GenerationTask] = set()  # sampling under way (running or paused): see `load_weights`
         self.loaded_path = self.model_path
         self.lora = lora
         self.peft: Any = None  # the `PeftModel` around `model`, from the first adapter on (peft injects in place)
@@ -148,44 +153,15 @@ class ModelEngine:
     # ------------------------------------------------------------- generation
     @torch.inference_mode()
     def generate(self, tasks: list[GenerationTask]) -> list[GenerationTask]:
-        """Sample all tasks together: left-padded prefill, then one decode step per token with a KV cache.
+        """Sample all tasks together (a `DecodeBatch` run to its end), each from scratch.
 
         Each task draws from its own `torch.Generator` seeded with `task.seed`, so a sample depends only on
         its prompt, settings, seed and the weights, not on what it was batched with.
         """
-        from transformers import DynamicCache
-
-        for task in tasks:  # from scratch: the batcher re-runs the tasks of a failed batch one request at a time
-            task.output_ids, task.output_logprobs, task.output_top_logprobs, task.output_token_ids_logprobs = [], [], [], []
-            task.finish = ("abort", 0) if task.aborted else ("length", 0) if task.params.max_new_tokens == 0 else None
-        active = [t for t in tasks if t.finish is None]
-        if not active:
-            return tasks
-        longest = max(len(t.prompt) for t in active)
-        ids = torch.full((len(active), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(active), longest), dtype=torch.long)
-        for row, task in enumerate(active):
-            ids[row, longest - len(task.prompt) :] = torch.tensor(task.prompt)
-            mask[row, longest - len(task.prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        generators = [torch.Generator(device=self.device).manual_seed(t.seed) for t in active]
-        cache = DynamicCache()
-        step_input = ids
-        max_steps = max(t.params.max_new_tokens for t in active)
-        adapters = [t.adapter for t in active]
-        for _ in range(max_steps):
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_input.shape[1] :]
-            out = self._forward(adapters, input_ids=step_input, attention_mask=mask, position_ids=position_ids,
-                                past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            next_ids = self._next_tokens(active, out.logits[:, -1].float(), generators)
-            step_input = next_ids[:, None]
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=self.device)], dim=1)
-            if all(t.finish is not None for t in active):
-                break
-        for task in active:
-            if task.finish is None:  # aborted before its first step
-                task.finish = ("abort", len(task.output_ids))
+        batch = DecodeBatch(self)
+        batch.add(tasks)
+        while batch:
+            batch.step()
         return tasks
 
     def _next_tokens(self, tasks: list[GenerationTask], logits: torch.Tensor, generators) -> torch.Tensor:
@@ -309,8 +285,18 @@ class ModelEngine:
                 param.copy_(new)
             else:
                 param.mul_(1.0 - mixup_alpha).add_(new, alpha=mixup_alpha)
-        self.weight_version = weight_version if weight_version is not None else self.weight_version
+        self.note_weight_version(weight_version)
         return len(loaded)
+
+    def note_weight_version(self, version: Optional[str]) -> None:
+        """The weights are now of `version` (None: unchanged): each task under way that sampled tokens records that
+        its tokens so far came from the version before (SGLang's `record_weight_version_change`, scheduler.py ~5636)."""
+        if version is None or version == self.weight_version:
+            return
+        for task in self.live_tasks:
+            if task.output_ids:
+                task.version_events.append((self.weight_version, len(task.output_ids)))
+        self.weight_version = version
 
     # ------------------------------------------------------------ LoRA adapters
     @torch.no_grad()  # not inference_mode: peft sets requires_grad on adapter weights when another one is removed
@@ -410,6 +396,139 @@ class ModelEngine:
         for name, param in self.model.named_parameters():
             if f".{adapter}." in f"{name}." and ".lora_" in name and not _all_finite(param):
                 raise WeightFileError(f"{path / ADAPTER_WEIGHTS}: {name.replace(f'.{adapter}', '')} has NaN or Inf values")
+
+
+class DecodeBatch:
+    """The sequences a `ModelEngine` is sampling together, continuously batched: tasks join at a step boundary (`add`:
+    a prefill of their prompt and the tokens they sampled so far, with the weights of that moment, then their next
+    token), `step()` samples one more token for every row, and finished rows leave at once (their KV with them).
+
+    The KV cache is left-padded: `mask` covers the cache plus each row's last sampled token (`next_input`, not in the
+    cache yet), and positions count only unmasked columns, so rows of any length share it. `retract()` gives the tasks
+    back without their KV (SGLang's `/pause_generation` mode `retract`): added again later, they are prefilled anew,
+    with the weights then served."""
+
+    def __init__(self, engine: "ModelEngine"):
+        self.engine = engine
+        self.tasks: list[GenerationTask] = []
+        self.cache: Any = None
+        self.mask: Optional[torch.Tensor] = None  # [rows, cached columns + 1]
+        self.next_input: Optional[torch.Tensor] = None  # [rows]
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    @torch.inference_mode()
+    def add(self, tasks: list[GenerationTask], resume: bool = False) -> list[GenerationTask]:
+        """Prefill `tasks` and sample each one's next token: from scratch (its generator seeded with its seed), or,
+        with `resume` (tasks `retract()` gave back), from the tokens it sampled so far and its generator's state.
+        Returns the tasks that finished (at once, or with that token)."""
+        from transformers import DynamicCache
+
+        engine = self.engine
+        for task in tasks:
+            if not resume or task.generator is None:
+                task.output_ids, task.output_logprobs, task.output_top_logprobs = [], [], []
+                task.output_token_ids_logprobs, task.version_events = [], []
+                task.generator = torch.Generator(device=engine.device).manual_seed(task.seed)
+                task.finish = None
+            if task.aborted and task.finish is None:
+                task.finish = ("abort", len(task.output_ids))
+            elif task.params.max_new_tokens <= len(task.output_ids) and task.finish is None:
+                task.finish = ("length", len(task.output_ids))
+        rows = [t for t in tasks if t.finish is None]
+        done = [t for t in tasks if t.finish is not None]
+        engine.live_tasks.difference_update(done)
+        if not rows:
+            return done
+        sequences = [t.prompt + t.output_ids for t in rows]
+        longest = max(len(seq) for seq in sequences)
+        ids = torch.full((len(rows), longest), engine.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            ids[row, longest - len(seq):] = torch.tensor(seq)
+            mask[row, longest - len(seq):] = 1
+        ids, mask = ids.to(engine.device), mask.to(engine.device)
+        cache = DynamicCache()
+        out = engine._forward([t.adapter for t in rows], input_ids=ids, attention_mask=mask,
+                              position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache, use_cache=True)
+        engine.live_tasks.update(rows)
+        next_ids = engine._next_tokens(rows, out.logits[:, -1].float(), [t.generator for t in rows])
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=engine.device)], dim=1)
+        self._join(rows, out.past_key_values, mask, next_ids)
+        return done + self._leave_finished()
+
+    @torch.inference_mode()
+    def step(self) -> list[GenerationTask]:
+        """One more token for every row; returns the tasks that finished (they leave)."""
+        if not self.tasks:
+            return []
+        engine = self.engine
+        position_ids = (self.mask.cumsum(-1) - 1)[:, -1:]
+        out = engine._forward([t.adapter for t in self.tasks], input_ids=self.next_input[:, None], attention_mask=self.mask,
+                              position_ids=position_ids, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.next_input = engine._next_tokens(self.tasks, out.logits[:, -1].float(), [t.generator for t in self.tasks])
+        self.mask = torch.cat([self.mask, torch.ones((len(self.tasks), 1), dtype=self.mask.dtype,
+                                                     device=engine.device)], dim=1)
+        return self._leave_finished()
+
+    def retract(self) -> list[GenerationTask]:
+        """Every task, without its KV (the batch is empty after); they stay live for the weight-version record."""
+        tasks, self.tasks = self.tasks, []
+        self.cache = self.mask = self.next_input = None
+        return tasks
+
+    def abort(self, tasks: list[GenerationTask]) -> list[GenerationTask]:
+        """End `tasks` (not in the batch: `retract()`'s) now with finish reason `abort` and what they sampled."""
+        for task in tasks:
+            task.aborted = True
+            if task.finish is None:
+                task.finish = ("abort", len(task.output_ids))
+        self.engine.live_tasks.difference_update(tasks)
+        return tasks
+
+    def _join(self, tasks: list[GenerationTask], cache: Any, mask: torch.Tensor, next_input: torch.Tensor) -> None:
+        """Append rows (their cache, mask and next input) to the batch, left-padding the shorter side."""
+        if not self.tasks:
+            self.tasks, self.cache, self.mask, self.next_input = list(tasks), cache, mask, next_input
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width - 1, -2), _left_pad(theirs.keys, width - 1, -2)])
+            mine.values = torch.cat([_left_pad(mine.values, width - 1, -2), _left_pad(theirs.values, width - 1, -2)])
+        self.mask = torch.cat([_left_pad(self.mask, width, -1), _left_pad(mask, width, -1)])
+        self.next_input = torch.cat([self.next_input, next_input])
+        self.tasks += tasks
+
+    def _leave_finished(self) -> list[GenerationTask]:
+        """Drop the finished rows (returned), and the leading columns no remaining row uses."""
+        keep = [i for i, task in enumerate(self.tasks) if task.finish is None]
+        if len(keep) == len(self.tasks):
+            return []
+        done = [t for t in self.tasks if t.finish is not None]
+        self.engine.live_tasks.difference_update(done)
+        if not keep:
+            self.retract()
+            return done
+        index = torch.tensor(keep, device=self.engine.device)
+        self.tasks = [self.tasks[i] for i in keep]
+        self.mask, self.next_input = self.mask[index], self.next_input[index]
+        unused = int((self.mask.cumsum(-1) == 0).sum(-1).min())  # leading columns masked in every row
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index, :, unused:], layer.values[index, :, unused:]
+        self.mask = self.mask[:, unused:]
+        return done
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`tensor` zero-padded on the left of `dim` to `width`."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
 def _same_layers(kept: Any, config: Any) -> bool:

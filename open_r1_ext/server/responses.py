@@ -111,6 +111,8 @@ def generate_output(engine: ModelEngine, task: GenerationTask, ask: GenerateAsk,
         "cached_tokens": 0,
         "weight_version": engine.weight_version,
     }
+    if done:
+        meta["weight_versions"] = weight_version_spans(task.version_events, engine.weight_version, n)
     if ask.return_logprob:
         ids = task.output_ids[since:n]
         meta["input_token_logprobs"] = inputs.token_logprobs
@@ -126,6 +128,23 @@ def generate_output(engine: ModelEngine, task: GenerationTask, ask: GenerateAsk,
     if since:
         text = text[len(output_text(engine, task, since)):]
     return {"text": text, "output_ids": task.output_ids[since:n], "meta_info": meta}
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str, count: int) -> list[dict]:
+    """SGLang's `meta_info.weight_versions` of a finished sequence of `count` tokens: `{version, start, end}` per run
+    of tokens sampled with one weight version, from its `(version before a change, tokens by then)` events and the
+    version now (`utils/weight_versions.py`: `compute_weight_version_spans`, then `add_weight_versions_to_meta_info`,
+    which keeps the spans that start before `count`, or at 0)."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, count)]:
+        end = min(end, count)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return [span for span in spans if span["start"] < count or span["start"] == 0]
 
 
 # ------------------------------------------------------------------------------------------------ OpenAI

@@ -41,7 +41,8 @@ def server_client(args: RemoteGRPOConfig, url: Union[str, list[str], None], dire
     `ServerPool` for several or an address `directory` (`min_replicas` of them waited for up to
     `server_wait_timeout`; `route` appended to each address read from the directory)."""
     settings = dict(api_key=args.server_api_key, request_timeout=args.request_timeout,
-                    max_batch_tokens=args.max_batch_tokens, admin_api_key=args.server_admin_api_key)
+                    max_batch_tokens=args.max_batch_tokens, admin_api_key=args.server_admin_api_key,
+                    max_concurrency=max(8, prompts_in_flight(args) if role == "generation" else 0))
     urls = [url] if isinstance(url, str) else list(url or ())
     if directory is None and len(urls) == 1:
         return SGLangClient(urls[0], max_retries=args.max_retries, **settings)
@@ -49,8 +50,18 @@ def server_client(args: RemoteGRPOConfig, url: Union[str, list[str], None], dire
                       role=role, **settings)
 
 
-def remote_generation(trainer, weight_sync: WeightSync) -> Optional["RemoteGeneration"]:
-    """The generation object `trainer.args` asks for (None without `generation_url`: TRL generates)."""
+def prompts_in_flight(args: RemoteGRPOConfig) -> int:
+    """With `in_flight_updates`, the prompts a process keeps read and untrained (`max_prompts_in_flight`, default twice
+    a generation batch's); else 0."""
+    if not args.in_flight_updates:
+        return 0
+    groups = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
+    return args.max_prompts_in_flight or 2 * groups
+
+
+def remote_generation(trainer, weight_sync: WeightSync, in_flight_kind: Optional[type] = None) -> Optional["RemoteGeneration"]:
+    """The generation object `trainer.args` asks for (None without `generation_url`: TRL generates); with
+    `in_flight_updates`, an `in_flight_kind` (`inflight.InFlightGeneration`, which builds on this module)."""
     args = trainer.args
     if not args.generation_on_server:
         return None
@@ -60,7 +71,7 @@ def remote_generation(trainer, weight_sync: WeightSync) -> Optional["RemoteGener
                                          request_timeout=args.request_timeout, max_retries=args.max_retries)
     else:
         client = server_client(args, args.generation_url, args.generation_server_dir, args.generation_min_replicas)
-    kind = AsyncRemoteGeneration if args.async_generation else RemoteGeneration
+    kind = in_flight_kind if args.in_flight_updates else AsyncRemoteGeneration if args.async_generation else RemoteGeneration
     return kind(trainer, client, weight_sync)
 
 
@@ -377,6 +388,7 @@ class AsyncRemoteGeneration(RemoteGeneration):
         super().__init__(trainer, client, weight_sync)
         self._rollouts: Optional[RolloutQueue] = None
         self._lookahead: Optional[LookaheadIterator] = None
+        self.last_push: Optional[Future] = None  # the generation server's reload queued by the last sync (main process)
 
     @property
     def rollouts(self) -> "RolloutQueue":
@@ -427,7 +439,7 @@ class AsyncRemoteGeneration(RemoteGeneration):
         if not self.target.adapter:
             self.weight_sync.share_state([self.target])
         if self.trainer.accelerator.is_main_process:
-            self.rollouts.submit(lambda: self._push_logged(path, step))
+            self.last_push = self.rollouts.submit(lambda: self._push_logged(path, step))
         elif self.target.adapter:  # requests name the adapter from here on in this process's queue, as on the main one
             self.rollouts.submit(lambda: self.weight_sync.confirm([self.target], path, step))
 

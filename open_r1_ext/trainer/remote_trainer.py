@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -21,6 +22,7 @@ from typing import Optional, Union
 import torch
 from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
@@ -28,6 +30,7 @@ from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, SGLangClient
 from open_r1_ext.trainer.generation import remote_generation, server_client
+from open_r1_ext.trainer.inflight import InFlightGeneration
 from open_r1_ext.trainer.reference_prefetch import ReferencePrefetch
 from open_r1_ext.trainer.step_timing import PARTS, StepTimer, StepTimingCallback
 from open_r1_ext.trainer.stop_signal import StopOnSignal
@@ -139,7 +142,11 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self._deferred_reference = None  # see _generate_and_score_completions
         self._loss_references: dict[str, LossReference] = {}  # per mode ("train", "eval"): see _compute_loss
         self._loss_forward: Optional[LossForward] = None
-        self.remote_generation = remote_generation(self, self.weight_sync)
+        if args.in_flight_updates and self.weight_sync.adapter_only:
+            raise ValueError("in_flight_updates=True with adapter-only LoRA sync: a request keeps the adapter it named "
+                             "when it began, so pausing it for new weights would change nothing; set "
+                             "in_flight_updates=False (async_generation alone works with LoRA)")
+        self.remote_generation = remote_generation(self, self.weight_sync, InFlightGeneration)
         if self.remote_generation is not None:
             self._use_importance_sampling(args.vllm_importance_sampling_correction)
         self._check_servers()
@@ -215,11 +222,12 @@ class RemoteGRPOTrainer(GRPOTrainer):
         """Log each step's parts (`step_timing.py`): those this run can have. Weight sync is timed around the calls
         of `self.weight_sync` (it knows nothing of steps): the dump, the servers' reloads (or the broadcast they
         receive), the wait for the last seal."""
-        asynchronous = self.args.async_generation
-        absent = {"rollout_wait" if not asynchronous else "generate"}
+        asynchronous, in_flight = self.args.async_generation, self.args.in_flight_updates
+        absent = {"generate", "rollout_wait", "group_wait"} - {
+            "group_wait" if in_flight else "rollout_wait" if asynchronous else "generate"}
         if not remote_reference:
             absent |= {"reference_send", "reference_wait"}
-        elif self.reference_prefetch is None or asynchronous:
+        elif self.reference_prefetch is None or (asynchronous and not in_flight):
             absent.add("reference_send")  # sent from TRL's hook, or from the rollout thread
         if not self.weight_sync.targets:
             absent |= {"dump", "reload_wait", "seal_wait"}
@@ -454,6 +462,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
         # another in a process can still be collected.
         gc.collect()
         gc.freeze()
+        self._resume_in_flight(kwargs.get("resume_from_checkpoint", args[0] if args else None))
         self.stop_signal.install()
         try:
             result = super().train(*args, **kwargs)
@@ -471,9 +480,23 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self.weight_sync.wait_durable()  # the last dumps on disk and their syncs logged before train() returns
         return result
 
+    def _resume_in_flight(self, checkpoint) -> None:
+        """With in-flight updates, resuming from `checkpoint` (a path, or True: the last one in `output_dir`): the groups
+        saved with it are drawn again."""
+        if not isinstance(self.remote_generation, InFlightGeneration) or not checkpoint:
+            return
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        if checkpoint:
+            self.remote_generation.resume_from(checkpoint)
+
     def _save_checkpoint(self, model, trial):
         self.weight_sync.wait_durable()  # a checkpoint never runs ahead of the weight-sync log its resume reads
-        return super()._save_checkpoint(model, trial)
+        result = super()._save_checkpoint(model, trial)
+        if isinstance(self.remote_generation, InFlightGeneration):  # the groups read and not trained, drawn again on resume
+            self.remote_generation.save_state(os.path.join(self._get_output_dir(trial=trial),
+                                                           f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
+        return result
 
     def _stop_after_failure(self, err: ServerError) -> str:
         """After a server or weight-dump failure: log the metrics of a step that finished but was not logged yet (its

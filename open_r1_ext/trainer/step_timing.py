@@ -18,8 +18,8 @@ from typing import Iterator
 from transformers import TrainerCallback
 
 # The parts of a step on the training thread (README: "Step-time breakdown").
-PARTS = ("generate", "rollout_wait", "reference_send", "reference_wait", "rewards", "train", "dump", "reload_wait",
-         "seal_wait")
+PARTS = ("generate", "rollout_wait", "group_wait", "reference_send", "reference_wait", "rewards", "train", "dump",
+         "reload_wait", "seal_wait")
 
 
 class StepTimer:

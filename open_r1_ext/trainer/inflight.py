@@ -1,0 +1,425 @@
+"""In-flight weight updates (`in_flight_updates`): generation that never waits for a weight sync.
+
+`InFlightGeneration` keeps up to `max_prompts_in_flight` prompts per trainer process read from the data and not yet
+trained, each prompt's group of `num_generations` completions one request to the generation servers, and hands TRL's
+training loop (`batches()`, read by `get_batch_samples`) the groups in the order they complete. A weight sync dumps the
+policy and, on the main process's update thread, pauses every server (`/pause_generation` mode `retract`), reloads and
+continues: the completions under way go on with the new weights. A group's staleness counts from its oldest token; a
+group too stale for the step that would take it is dropped and its prompt sent again. The groups read but not trained
+at a checkpoint are saved with it (`save_state`) and drawn again on resume (`resume_from`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from open_r1_ext.protocol import Completion
+from open_r1_ext.server_pool import ServerPool
+from open_r1_ext.sglang_client import ABORT_RETRIES, AbortedRequestError, ServerError
+from open_r1_ext.trainer.generation import (AsyncRemoteGeneration, RemoteGeneration, prompts_in_flight, prompts_key,
+                                            sampling_seeds, version_number)
+from open_r1_ext.trainer.weight_sync import WeightSyncError
+
+logger = logging.getLogger(__name__)
+PAUSE_MODE = "retract"  # SGLang's mode that keeps the requests under way and recomputes their KV with the new weights
+STATE_FILE = "in_flight_rollouts_rank{rank}.pt"  # in a checkpoint: the groups read and not trained, per process
+
+
+@dataclass(eq=False)
+class Group:
+    """One prompt's group: where the sampler put it (`epoch`, generation batch `batch` of the epoch, `index` in it),
+    its rows as the data loader gave them (the example, `num_generations` times), its prompt's token ids and sampling
+    settings, how often it was sent, and once sampled its completions and the replica that sampled them (or the
+    error)."""
+
+    epoch: int
+    batch: int
+    index: int
+    rows: list
+    prompt_ids: list[int]
+    sampling: dict
+    attempt: int = 0
+    sent_at: int = 0  # the version the servers were confirmed at when it was sent
+    completions: Optional[list[Completion]] = None
+    replica: Optional[str] = None
+    error: Optional[BaseException] = None
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.batch, self.index
+
+    def versions(self) -> list[int]:
+        """The weight versions (step numbers) its tokens were drawn with, oldest first."""
+        return sorted({version_number(v) for c in self.completions or () for v in c.versions})
+
+
+class InFlightGeneration(AsyncRemoteGeneration):
+    """Generation with in-flight weight updates (see the module docstring and `RemoteGRPOConfig.in_flight_updates`).
+
+    Its rollout queue (`AsyncRemoteGeneration.rollouts`, one thread) runs the weight updates in order; a pool of sender
+    threads runs one request per group."""
+
+    def __init__(self, trainer, client, weight_sync):
+        super().__init__(trainer, client, weight_sync)
+        args = trainer.args
+        self.groups_per_batch = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
+        self.bound = prompts_in_flight(args)
+        self.period = args.steps_per_generation * args.num_iterations
+        self._senders: Optional[ThreadPoolExecutor] = None
+        self._batches: Optional[InFlightBatches] = None
+        self._formed: Optional[tuple[tuple, list[Completion]]] = None  # the batch handed to TRL, for `generate`
+        self._updates: deque[Future] = deque()  # weight updates queued or running (main process)
+        self._update_error: Optional[str] = None
+        self._newest_dump = -1  # an update of an older dump than this is skipped: the newer one replaces it
+        self._resume_state: Optional[dict] = None
+        self._starting = False
+        self._dropped = 0  # groups dropped for staleness since the last batch (a metric)
+        self.closing = False
+
+    # ------------------------------------------------------------------ the training loop's side
+    def batches(self, epoch_iterator: Iterator) -> Iterator:
+        if self._batches is None or self._batches.source is not epoch_iterator:
+            self._batches = InFlightBatches(self, epoch_iterator, int(self.trainer.state.epoch or 0),
+                                            self._take_resume_state())
+        return self._batches
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int) -> list[Completion]:
+        """The completions of the batch `batches()` just formed; any other prompts (evaluation, the turns of TRL's tool
+        loop after a tool call) are sampled now."""
+        formed, self._formed = self._formed, None
+        if formed is None:
+            return RemoteGeneration.generate(self, prompt_ids, num_generations)
+        if formed[0] != prompts_key(prompt_ids):
+            raise RuntimeError("in_flight_updates: TRL asked for other prompts than those of the batch it was handed "
+                               "(this trl version does not fit RemoteGRPOTrainer; set in_flight_updates=False)")
+        return formed[1]
+
+    def next_batch(self, batches: "InFlightBatches") -> Optional[list]:
+        """Training thread: the rows of the next complete groups (a generation batch's worth), or None once the epoch's
+        groups are all trained. Their completions wait in `_formed` for `generate`."""
+        self.ensure_weights()
+        step = self.trainer.state.global_step
+        self._wait_for_weights(step)
+        with self.trainer.step_timer.part("group_wait"):
+            groups = batches.take(step)
+        if groups is None:
+            return None
+        completions = [c for g in groups for c in g.completions]
+        prompt_ids = [g.prompt_ids for g in groups for _ in range(len(g.completions))]
+        self._formed = (prompts_key(prompt_ids), completions)
+        self._log_groups(groups, step)
+        self.trainer.prefetch_reference(prompt_ids, [c.token_ids for c in completions])
+        return [row for g in groups for row in g.rows]
+
+    def stale(self, group: Group, step: int) -> Optional[int]:
+        """The group's staleness at `step` (the step its training would start from) if it exceeds
+        `max_weight_staleness`, else None; a group sampled from weights older than the server was confirmed at (it
+        restarted and lost them) has the servers' weights restored."""
+        versions = group.versions()
+        staleness = step - versions[0]
+        if versions[-1] < group.sent_at and self.trainer.accelerator.is_main_process:
+            logger.warning("generation server sampled a group from weights %d, older than the weights %s it was given "
+                           "(restarted?): restoring them", versions[-1], target.version)
+            self._updates.append(self.rollouts.submit(self._restore))
+        return staleness if staleness > self.trainer.args.max_weight_staleness else None
+
+    def split_groups(self, rows: list, epoch: int, batch: int) -> list[Group]:
+        """A generation batch of the data loader (each example `num_generations` times in a row) as groups."""
+        n = self.trainer.num_generations
+        examples = rows[::n]
+        for index, example in enumerate(examples):
+            if any(row != example for row in rows[index * n:(index + 1) * n]):
+                raise RuntimeError(f"in_flight_updates: the data loader's batch {batch} does not hold each example "
+                                   f"{n} times in a row (TRL's RepeatSampler layout), so its groups cannot be told apart")
+        prompt_ids, _, _ = self.trainer._tokenize_prompts([example["prompt"] for example in examples])
+        sampling = self._fitting(prompt_ids, self._sampling_params())
+        return [Group(epoch, batch, index, rows[index * n:(index + 1) * n], list(ids), sampling)
+                for index, ids in enumerate(prompt_ids)]
+
+    def send(self, group: Group, done: "queue.Queue[Group]") -> None:
+        """Sample `group` on a sender thread; it is put in `done` when it has its completions (or an error)."""
+        if self._senders is None:
+            self.rollouts  # noqa: B018 - its queue, made now, keeps the GIL switch interval short for the senders too
+            self._senders = ThreadPoolExecutor(max_workers=self.bound, thread_name_prefix="open_r1_ext-inflight")
+        group.completions, group.replica, group.error = None, None, None
+        group.sent_at = version_number(self.target.version)
+        self._senders.submit(self._sample, group, done)
+
+    def _sample(self, group: Group, done: "queue.Queue[Group]") -> None:
+        """One request for the group's completions; what the server aborted (not when closing) is sent again, as the
+        client does for other requests."""
+        n, rank = self.trainer.num_generations, self.trainer.accelerator.process_index
+        seeds = sampling_seeds(self.trainer.args.seed, group.batch, "train", rank, n,
+                               f"in-flight {group.epoch}/{group.index}/{group.attempt}")
+        extra = {"any_version": True} if isinstance(self.client, ServerPool) else {}
+        try:
+            for attempt in range(ABORT_RETRIES + 1):
+                (completions,) = self.client.generate([group.prompt_ids], group.sampling, n=n, seeds=seeds,
+                                                      keep_aborted=True, **extra)
+                if self.closing or all(c.finish_reason != "abort" for c in completions):
+                    group.completions = completions
+                    group.replica = (self.client.served_by() or [None])[0] if extra else None
+                    return
+                logger.warning("generation server aborted a group's request (attempt %d/%d): sending it again",
+                               attempt + 1, ABORT_RETRIES + 1)
+            raise AbortedRequestError(f"{self.client.base_url}/generate aborted a group's request {ABORT_RETRIES + 1} "
+                                      "times; its partial output is not trained on. See the server's log.")
+        except BaseException as err:  # noqa: BLE001 - handed to the training thread, which raises it
+            group.error = err
+        finally:
+            done.put(group)
+
+    # ------------------------------------------------------------------ weight updates
+    def ensure_weights(self) -> None:
+        """As `RemoteGeneration`'s, with a sync made then (on resume, nothing in flight yet) synchronous."""
+        self._starting = True
+        try:
+            super().ensure_weights()
+        finally:
+            self._starting = False
+
+    def sync_weights(self, step: int, references) -> None:
+        """Dump now; the reference servers reload now; the generation servers pause, reload and continue on the update
+        thread (main process) while generation and training go on."""
+        if self._starting:
+            return RemoteGeneration.sync_weights(self, step, references)
+        self._newest_dump = step
+        super().sync_weights(step, references)  # AsyncRemoteGeneration's: queues `_push_logged` on the rollout thread
+        if self.last_push is not None:
+            self._updates.append(self.last_push)
+            self.last_push = None
+
+    def _push_logged(self, path: Path, step: int) -> None:
+        """Update thread: pause every generation server (retract), reload `path`, continue. A newer dump queued behind
+        makes this one pointless: skipped. A failure is kept for `_wait_for_weights` to report."""
+        if step < self._newest_dump:
+            return
+        client, timer = self.target.client, self.trainer.step_timer
+        with timer.part("paused"):  # the servers stand still from the pause to the continue
+            try:
+                client.pause_generation(PAUSE_MODE)
+                try:
+                    with timer.part("reload"):
+                        self.weight_sync.push_and_confirm([self.target], path, step)
+                    self._update_error = None
+                finally:
+                    client.continue_generation()
+            except ServerError as err:  # WeightSyncError among them
+                self._update_error = f"weight sync of step {step} failed: {err}"
+                logger.warning("%s", self._update_error)
+
+    def _restore(self) -> None:
+        """Update thread: give the generation server(s) the last confirmed weights again if they lost them."""
+        try:
+            if self.target.client.weight_version() != self.target.version:
+                self.weight_sync.repush(self.target)
+        except ServerError as err:
+            logger.warning("could not restore the generation server's weights: %s", err)
+
+    def _wait_for_weights(self, step: int) -> None:
+        """Main process, before a step takes groups: the servers must hold weights at most `max_weight_staleness` steps
+        old, or no group could be trained; wait for the updates queued (`timing/reload_wait`), else stop."""
+        if not self.trainer.accelerator.is_main_process or self.target is None:
+            return
+        needed = step - self.trainer.args.max_weight_staleness
+        with self.trainer.step_timer.part("reload_wait"):
+            while self._updates and version_number(self.target.version) < needed:
+                self._updates.popleft().result()
+        while self._updates and self._updates[0].done():
+            self._updates.popleft()
+        if version_number(self.target.version) < needed:
+            raise WeightSyncError(
+                f"the generation servers hold the weights of step {version_number(self.target.version)}, more than "
+                f"max_weight_staleness={self.trainer.args.max_weight_staleness} steps behind step {step}: "
+                f"{self._update_error or 'no reload of newer weights succeeded'}")
+
+    def adapters_in_use(self) -> int:
+        return 1  # adapter-only LoRA sync is refused with in-flight updates (`RemoteGRPOTrainer`)
+
+    # ------------------------------------------------------------------ logs
+    def _log_groups(self, groups: list[Group], step: int) -> None:
+        """Each group a step takes, in `rollouts.jsonl` (main process) and the staleness metrics."""
+        metrics = self.trainer._metrics["train"]
+        entries = []
+        for group in groups:
+            versions = group.versions()
+            entries.append({"step": step + 1, "epoch": group.epoch, "group": list(group.position), "versions": versions,
+                            "weight_version": versions[0], "staleness": step - versions[0], "sent": group.attempt + 1,
+                            **({"replica": group.replica} if group.replica is not None else {})})
+        metrics["remote/staleness"].append(float(max(e["staleness"] for e in entries)))
+        metrics["inflight/dropped_groups"].append(float(self._dropped))
+        metrics["inflight/versions_per_group"].append(sum(len(e["versions"]) for e in entries) / len(entries))
+        self._dropped = 0
+        self._append_rollouts(entries)
+
+    def log_drop(self, group: Group, step: int, staleness: int) -> None:
+        self._dropped += 1
+        versions = group.versions()
+        logger.debug("dropped the group of prompt %s (batch %d): its oldest token is %d step(s) old at step %d "
+                    "(max_weight_staleness=%d); sending it again", group.index, group.batch, staleness, step + 1,
+                    self.trainer.args.max_weight_staleness)
+        self._append_rollouts([{"step": step + 1, "epoch": group.epoch, "group": list(group.position),
+                                "versions": versions, "weight_version": versions[0], "staleness": staleness,
+                                "sent": group.attempt + 1, "dropped": True}])
+
+    def _append_rollouts(self, entries: list[dict]) -> None:
+        if self.trainer.accelerator.is_main_process:
+            with open(Path(self.trainer.args.output_dir) / "rollouts.jsonl", "a") as log:
+                log.write("".join(json.dumps(e) + "\n" for e in entries))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, checkpoint_dir: str) -> None:
+        """Into a checkpoint: which groups of the epoch were trained beyond the batches the data loader will skip on
+        resume, and the rows of the groups read but not trained before those (drawn again on resume)."""
+        batches = self._batches
+        if batches is None:
+            return
+        state = {"global_step": self.trainer.state.global_step, **batches.state()}
+        path = Path(checkpoint_dir) / STATE_FILE.format(rank=self.trainer.accelerator.process_index)
+        torch.save(state, path)
+
+    def resume_from(self, checkpoint_dir: str) -> None:
+        """Before `train()` resumes from `checkpoint_dir`: read the state `save_state` wrote there."""
+        path = Path(checkpoint_dir) / STATE_FILE.format(rank=self.trainer.accelerator.process_index)
+        self._resume_state = torch.load(path, weights_only=False) if path.is_file() else None
+
+    def _take_resume_state(self) -> Optional[dict]:
+        state, self._resume_state = self._resume_state, None
+        if state is None or state["global_step"] != self.trainer.state.global_step:
+            return None
+        if state["epoch"] != int(self.trainer.state.epoch or 0) or self.trainer.args.ignore_data_skip:
+            return None  # the checkpoint ended its epoch (nothing to draw again), or TRL does not skip what was trained
+        return state
+
+    def close(self) -> None:
+        """End of `train()`: the requests still in flight are aborted (main process) and the threads stopped."""
+        self.closing = True
+        if self._batches is not None and self._batches.running and self.trainer.accelerator.is_main_process:
+            try:
+                self.target.client.pause_generation("abort")
+                self.target.client.continue_generation()
+            except ServerError as err:
+                logger.warning("could not abort the generation still in flight: %s", err)
+        if self._senders is not None:
+            self._senders.shutdown(wait=True, cancel_futures=True)
+        self._senders, self._batches, self._formed = None, None, None
+        super().close()
+        self.closing = False
+
+
+class InFlightBatches:
+    """The training loop's batches with in-flight updates: each `period` consecutive batches (TRL reuses a generation
+    batch for `steps_per_generation x num_iterations` of them) are one batch of the next complete groups. Reads the
+    data loader (on the training thread only) while fewer than the bound of prompts are in flight."""
+
+    def __init__(self, owner: InFlightGeneration, source: Iterator, epoch: int, state: Optional[dict]):
+        self.owner, self.source, self.epoch = owner, source, epoch
+        self.read = 0  # generation batches read from the source this epoch (the next one's number)
+        self.trained = 0  # generation batches handed to training this epoch
+        self.waiting: deque[Group] = deque()  # read (or dropped) and not sent
+        self.untrained: dict[tuple[int, int], Group] = {}  # read and not handed to training (waiting, running, done)
+        self.trained_positions: set[tuple[int, int]] = set()
+        self.skip: set[tuple[int, int]] = set()  # trained before the checkpoint this run resumed from
+        self.done: queue.Queue[Group] = queue.Queue()
+        self.running = 0
+        self.exhausted = False
+        self.current: Optional[list] = None
+        self.repeats = 0
+        if state is not None:
+            self._resume(state)
+
+    def __iter__(self) -> "InFlightBatches":
+        return self
+
+    def __next__(self) -> list:
+        if self.repeats:
+            self.repeats -= 1
+            return self.current
+        batch = self.owner.next_batch(self)
+        if batch is None:
+            raise StopIteration
+        self.current, self.repeats = batch, self.owner.period - 1
+        return batch
+
+    def take(self, step: int) -> Optional[list[Group]]:
+        """The next `groups_per_batch` groups to complete and be fresh enough for `step` (a stale one is sent again);
+        None once the epoch has none left."""
+        owner, chosen = self.owner, []
+        while len(chosen) < owner.groups_per_batch:
+            self.fill()
+            if not self.running and self.done.empty():
+                if chosen:
+                    raise RuntimeError(f"in_flight_updates: {len(chosen)} group(s) left at the end of an epoch, fewer "
+                                       f"than a batch's {owner.groups_per_batch}")
+                return None
+            group = self.done.get()
+            self.running -= 1
+            if group.error is not None:
+                raise group.error
+            staleness = owner.stale(group, step)
+            if staleness is not None:
+                owner.log_drop(group, step, staleness)
+                group.attempt += 1
+                self.waiting.appendleft(group)
+                continue
+            chosen.append(group)
+        for group in chosen:
+            del self.untrained[group.position]
+            self.trained_positions.add(group.position)
+        self.trained += 1
+        return chosen
+
+    def fill(self) -> None:
+        """Read generation batches while a whole one fits under the bound, then send every group waiting."""
+        owner = self.owner
+        while not self.exhausted and len(self.untrained) + owner.groups_per_batch <= owner.bound:
+            rows = self._read_generation_batch()
+            if rows is None:
+                self.exhausted = True
+                break
+            for group in owner.split_groups(rows, self.epoch, self.read):
+                if group.position not in self.skip:
+                    self.waiting.append(group)
+                    self.untrained[group.position] = group
+            self.read += 1
+        while self.waiting:
+            self.running += 1
+            owner.send(self.waiting.popleft(), self.done)
+
+    def _read_generation_batch(self) -> Optional[list]:
+        """The data loader's next generation batch (its `period - 1` repeats read past), or None at the epoch's end."""
+        try:
+            rows = next(self.source)
+            for _ in range(self.owner.period - 1):
+                next(self.source)
+        except StopIteration:
+            return None
+        return rows
+
+    def state(self) -> dict[str, Any]:
+        """What a resume needs (see `InFlightGeneration.save_state`): the data loader resumes at generation batch
+        `trained`; the groups of earlier batches not trained are drawn again from their saved rows, the groups of
+        later ones already trained are skipped."""
+        return {"epoch": self.epoch, "trained": self.trained,
+                "redraw": [(g.batch, g.index, g.rows) for g in self.untrained.values() if g.batch < self.trained],
+                "skip": sorted(p for p in self.trained_positions | self.skip if p[0] >= self.trained)}
+
+    def _resume(self, state: dict) -> None:
+        self.read = self.trained = state["trained"]
+        self.skip = {tuple(p) for p in state["skip"]}
+        for batch, index, rows in state["redraw"]:
+            (group,) = self.owner.split_groups(rows, self.epoch, batch)
+            group.index = index
+            self.waiting.append(group)
+            self.untrained[group.position] = group
+        logger.info("resuming in-flight generation at batch %d of the epoch: %d group(s) read but not trained before "
+                    "the checkpoint drawn again, %d trained ahead skipped", self.trained, len(self.waiting), len(self.skip))

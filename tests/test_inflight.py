@@ -1,0 +1,217 @@
+"""In-flight weight updates (#23) against real built-in servers: groups train as they complete, the staleness bound
+holds (too stale groups are dropped and sent again, never trained), completions span weight versions, a run learns,
+a run stopped mid-way resumes without losing or doubling a group, and a replica killed while paused loses nothing.
+(The same run on real SGLang: tests/test_pause_generation.py.)"""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from typing import Optional
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.launch.run_status import staleness
+from open_r1_ext.sglang_client import SGLangClient
+from open_r1_ext.trainer.inflight import STATE_FILE, InFlightGeneration
+from tests.helpers import restore_default_weights, tiny_config, tiny_dataset
+from tests.slurm_helpers import RECIPE, REPO
+from tests.test_async import low_ids
+
+
+def rollouts(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
+
+
+def trained_positions(entries) -> Counter:
+    return Counter((e["epoch"], *e["group"]) for e in entries if not e.get("dropped"))
+
+
+def in_flight_config(output_dir, url, **overrides):
+    settings = dict(max_steps=8, per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
+                    generation_url=url, async_generation=True, in_flight_updates=True, beta=0.0,
+                    generation_kwargs={"ignore_eos": True})
+    return tiny_config(output_dir, **{**settings, **overrides})
+
+
+def shape_groups(trainer: RemoteGRPOTrainer, short: int = 4, held: Optional[threading.Event] = None,
+                 held_batches: int = 0) -> None:
+    """Shape the workload so that groups complete out of order: the first prompt of every generation batch samples
+    `max_completion_length` tokens (`ignore_eos`), the others `short`; with `held`, the first prompts of the first
+    `held_batches` batches are sent only once `held` is set."""
+    generation = trainer.remote_generation
+    split, sample = generation.split_groups, generation._sample
+
+    def shaped(rows, epoch, batch):
+        groups = split(rows, epoch, batch)
+        for group in groups[1:]:
+            group.sampling = {**group.sampling, "max_new_tokens": short}
+        return groups
+
+    def late(group, done):
+        if held is not None and group.index == 0 and group.batch < held_batches:
+            held.wait(timeout=120)
+        sample(group, done)
+
+    generation.split_groups, generation._sample = shaped, late
+
+
+def test_groups_train_as_they_complete_within_the_staleness_bound(tiny_model, server, tmp_path):
+    # 8 prompts in flight, 2 a step: while the long first groups of the first batches generate, the short ones of
+    # four batches make three steps, and three weight syncs pause, reload and continue those long generations
+    args = in_flight_config(tmp_path, server.url, max_weight_staleness=1, max_completion_length=256,
+                            max_prompts_in_flight=8)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
+    assert isinstance(trainer.remote_generation, InFlightGeneration)
+    shape_groups(trainer)
+    trainer.train()
+    log = rollouts(tmp_path)
+    trained = [e for e in log if not e.get("dropped")]
+    assert [e["step"] for e in trained] == [step for step in range(1, 9) for _ in range(2)]  # 2 groups a step
+    assert all(e["staleness"] <= 1 for e in trained), trained  # counted from the oldest token
+    assert all(e["staleness"] == e["step"] - 1 - min(e["versions"]) for e in log)
+    dropped = [e for e in log if e.get("dropped")]
+    assert dropped and all(e["staleness"] > 1 for e in dropped)  # too stale: never trained, sent again
+    assert max(trained_positions(log).values()) == 1  # a dropped group, sent again, trains once
+    # groups trained in the order they completed: the short ones of later batches before the long first ones
+    assert any(e["group"][0] > later["group"][0] for i, e in enumerate(trained) for later in trained[i + 1:])
+    # completions under way at a sync went on with the new weights: groups spanning several versions
+    assert any(len(e["versions"]) > 1 for e in log)
+    assert SGLangClient(server.url).weight_version() == "8"
+    status = staleness(tmp_path)
+    assert status["step"] == 8 and status["max"] <= 1 and status["dropped"] == sum(1 for e in log if e.get("dropped"))
+    parts = [h for h in trainer.state.log_history if "step_wall_time" in h]
+    assert all("timing/group_wait" in h and "timing/rollout_wait" not in h for h in parts)
+    assert any(h.get("background/paused", 0) > 0 and h.get("background/reload", 0) > 0 for h in parts)
+    restore_default_weights(server.url, tiny_model)
+
+
+def test_the_demo_recipe_learns_with_in_flight_updates(tiny_model, tmp_path):
+    """`make demo`'s recipe with `sync.in_flight_updates` (and its embedded built-in server), as a user runs it."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "open_r1_ext.train", "--config", RECIPE,
+                             "--set", f"model.name_or_path={tiny_model}", "--set", f"trainer.output_dir={run_dir}",
+                             "--set", "sync.async_generation=true", "--set", "sync.in_flight_updates=true",
+                             "--set", "trainer.max_steps=40"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rewards = [e["reward"] for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "reward" in e]
+    # off-policy by a step (as async_generation alone) it learns slower than the demo: measured 0.00 -> 0.6-0.8 at 30
+    assert len(rewards) == 40 and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.4, rewards
+    log = rollouts(run_dir)
+    assert max(trained_positions(log).values()) == 1 and sum(trained_positions(log).values()) == 40 * 2
+    assert all(e["staleness"] <= 1 for e in log if not e.get("dropped"))
+    assert "group_wait" in result.stdout  # the step lines say where the time went
+    status = subprocess.run([sys.executable, "-m", "open_r1_ext.cli", "status", str(run_dir)], capture_output=True,
+                            text=True, timeout=120)
+    assert re.search(r"^staleness [01] step\(s\) at step 40 \(max 1\); in flight: its groups from weights [\d, ]+; "
+                     r"\d+ group\(s\) dropped as too stale \(sent again\) so far$", status.stdout, re.MULTILINE), status.stdout
+
+
+class StopAt(TrainerCallback):
+    """SIGTERM during optimizer step `step`: a checkpoint at its end, then `train()` returns (as `open-r1-ext train`
+    stops on SIGTERM); `saved` is set once the checkpoint is written."""
+
+    def __init__(self, trainer, step):
+        self.trainer, self.step, self.saved = trainer, step, threading.Event()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step - 1:
+            self.trainer.stop_signal._handle(signal.SIGTERM, None)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saved.set()
+
+
+EPOCH_STEPS = 32  # 64 prompts, 2 a step
+
+
+def test_a_run_stopped_mid_way_resumes_without_losing_or_doubling_a_group(tiny_model, server, tmp_path):
+    def trainer_for(max_steps):
+        args = in_flight_config(tmp_path, server.url, max_steps=max_steps, max_weight_staleness=10,
+                                save_strategy="steps", save_steps=100, max_prompts_in_flight=16)
+        return RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
+
+    first = trainer_for(EPOCH_STEPS)
+    stop = StopAt(first, 5)
+    first.add_callback(stop)
+    # the first prompts of the first 5 batches are still on their way when the checkpoint of step 5 is written, while
+    # the short groups of later batches train: groups of the batches the loader skips on resume are not trained yet,
+    # groups of the batches it reads again are
+    shape_groups(first, held=stop.saved, held_batches=5)
+    first.train()
+    assert first.state.global_step == 5
+    before = rollouts(tmp_path)
+    state = torch.load(tmp_path / "checkpoint-5" / STATE_FILE.format(rank=0), weights_only=False)
+    assert state["global_step"] == 5 and state["trained"] == 5  # the data loader resumes after 5 generation batches
+    redraw = {(b, i) for b, i, _ in state["redraw"]}
+    skip = {tuple(p) for p in state["skip"]}
+    assert redraw == {(b, 0) for b in range(5)} and skip and all(b >= 5 for b, _ in skip), state
+    trained_before = {(b, i) for _, b, i in trained_positions(before)}
+    assert skip <= trained_before and not redraw & trained_before
+
+    second = trainer_for(EPOCH_STEPS)
+    shape_groups(second)
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == EPOCH_STEPS
+    after = rollouts(tmp_path)[len(before):]
+    # over the whole epoch, every prompt's group trained exactly once: none lost, none doubled
+    counts = trained_positions(before) + trained_positions(after)
+    assert counts == Counter({(0, b, i): 1 for b in range(EPOCH_STEPS) for i in range(2)}), counts
+    trained_after = {(b, i) for _, b, i in trained_positions(after)}
+    assert redraw <= trained_after and not skip & trained_after  # drawn again / not again
+    restore_default_weights(server.url, tiny_model)
+
+
+def test_a_replica_killed_while_paused_loses_no_group(tiny_model, tmp_path):
+    with BuiltinServer(str(tiny_model), extra_args=("--no-ref-slot",)) as a, \
+            BuiltinServer(str(tiny_model), extra_args=("--no-ref-slot",)) as b:
+        args = in_flight_config(tmp_path, [a.url, b.url], max_steps=7, max_weight_staleness=2,
+                                max_completion_length=48)
+        trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args,
+                                    train_dataset=tiny_dataset(64))
+        pool = trainer.remote_generation.client
+        pause = pool.pause_generation
+        killed_during = []
+
+        def pause_then_kill(mode="retract"):
+            answer = pause(mode)
+            if trainer.state.global_step >= 2 and not killed:
+                # both replicas paused, holding requests mid-generation: one goes away before the reload
+                assert len(answer["replicas"]) == 2
+                killed.append(trainer.state.global_step)
+                b.stop(signal.SIGKILL)
+            return answer
+
+        killed = []
+        pool.pause_generation = pause_then_kill
+        trainer.train()
+        assert killed and trainer.state.global_step == 7
+        assert pool.replicas()[b.url] == "dropped" and pool.replicas()[a.url] == "serving"
+        log = rollouts(tmp_path)
+        counts = trained_positions(log)
+        assert max(counts.values()) == 1 and sum(counts.values()) == 7 * 2  # nothing lost, nothing drawn twice
+        trained = [e for e in log if not e.get("dropped")]
+        assert b.url in {e["replica"] for e in trained}
+        # groups completed later (at most the bound of 4 were waiting when it died) all came from the replica left
+        assert {e["replica"] for e in trained if e["step"] > killed[0] + 2} == {a.url}
+        assert SGLangClient(a.url).weight_version() == "7"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(async_generation=False), "needs async_generation=True"),
+    (dict(generation_backend="openai"), "needs generation_backend='sglang'"),
+    (dict(transport="distributed"), "needs transport='disk'"),
+    (dict(num_iterations=2), "every optimizer step to train whole generation batches"),
+    (dict(max_prompts_in_flight=1), "at least the prompts of one generation batch"),
+])
+def test_in_flight_config_errors(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        in_flight_config(tmp_path, "http://x:1", **overrides)

@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="a run's jobs, servers, progress, last sync and events, from its run directory")
     status.add_argument("run_dir", help="the run directory (the recipe's trainer.output_dir)")
-    status.add_argument("--json", action="store_true", help="one JSON object (see the README for its keys)")
+    status.add_argument("--json", action="store_true", help="one JSON object (its keys: docs/protocol.md)")
     status.add_argument("--watch", type=float, metavar="SECONDS", help="again every SECONDS until the run has ended")
     status.set_defaults(func=cmd_status)
 

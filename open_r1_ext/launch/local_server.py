@@ -133,7 +133,7 @@ class BuiltinServer(LocalServer):
                 "--host", self.host, "--port", str(self.port), "--log-level", "warning", *self.extra_args]
 
 
-# SGLang 0.5.23 on a CPU: the environment and flags it needs there (see the README's "SGLang on the CPU"); the one
+# SGLang 0.5.23 on a CPU: the environment and flags it needs there (see docs/protocol.md, "SGLang on the CPU"); the one
 # place they live, for the test runner below and for a recipe's `device: cpu` (`slurm_plan.server_command`).
 SGLANG_CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}  # without it SGLang does not treat the machine as a CPU platform
 SGLANG_CPU_MAX_TOTAL_TOKENS = 8192  # KV-cache tokens; unbounded, SGLang sizes the cache from free RAM (~15 GB)

@@ -57,8 +57,10 @@ class WaitProgress:
             self.bar.update(round(elapsed - self.bar.n))
         elif self.enabled and elapsed >= self.next_line:
             detail = f"; {status}" if status else ""
-            print(f"[{datetime.now():%H:%M:%S}] waiting for {self.what} ({elapsed:.0f} s of at most "
-                  f"{self.timeout:.0f} s{detail})", file=self.stream, flush=True)
+            line = (f"[{datetime.now():%H:%M:%S}] waiting for {self.what} ({elapsed:.0f} s of at most "
+                    f"{self.timeout:.0f} s{detail})")
+            self.stream.write(line + "\n")  # one write: two waits on two threads (servers started together) never
+            self.stream.flush()  # share a line, as print's separate write of the newline let them
             while self.next_line <= elapsed:
                 self.next_line += LINE_INTERVAL_S
 

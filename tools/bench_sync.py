@@ -262,7 +262,10 @@ def measure(models_root: Path, work: Path, setup: Setup) -> dict:
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     dump_bytes = sum(t.numel() * t.element_size() for t in state.values())
     runs: dict[str, list[dict]] = {"bare": [], "ours": [], "disk": []}
-    server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", str(torch.get_num_threads()))
+    # one torch thread per server: each replica on a core of its own, as on separate allocations (two servers with two
+    # threads each beside the trainer and the broadcaster oversubscribe 2 cores: OpenMP pools spinning against each
+    # other made the two-replica network sync 1.0-3.7 x one, 40 s of system time in a run)
+    server_args = ("--no-ref-slot", "--dtype", "float32", "--num-threads", "1")
     sync = weight_sync.WeightSync(Accelerator(cpu=True), str(work), 0, str(work / "weight_sync.jsonl"), [])
     second = BuiltinServer(str(path), extra_args=server_args, log_path=str(work / "server-b.log"))
     starting = threading.Thread(target=second.start)  # the second replica of the network rows, started meanwhile

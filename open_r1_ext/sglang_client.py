@@ -55,6 +55,12 @@ DEFAULT_BACKOFF_FACTOR = 0.5
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection (of the request timeout)
 DEFAULT_MAX_BATCH_TOKENS = 65536
 ABORT_RETRIES = 2  # times an item the server aborted (HTTP 200, finish_reason "abort") is sent again
+# SGLang's refusal of a reload whose cache flush found requests running or queued (the weights changed, the version it
+# reports did not): the batch that just ended stays the scheduler's for one more iteration, so a reload sent as a
+# generation returns can meet it. The reload waits for them (`/flush_cache?timeout=`) and is sent again, this often.
+CACHE_NOT_FLUSHED = "the cache was not flushed"
+CACHE_FLUSH_ATTEMPTS = 3
+CACHE_FLUSH_WAIT_S = 30.0
 HEALTHY, BUSY, DOWN = "healthy", "busy", "down"  # what `SGLangClient.probe` found
 
 # SGLang 0.5.23's `sampling_params` keys (`sglang/srt/sampling/sampling_params.py` ~148-181, the API fields of
@@ -175,14 +181,15 @@ class SGLangClient:
         self.admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
 
     # ------------------------------------------------------------------ HTTP
-    def _request(self, method: str, route: str, json: Any = None, timeout: Optional[float] = None) -> requests.Response:
+    def _request(self, method: str, route: str, json: Any = None, timeout: Optional[float] = None,
+                 params: Optional[dict] = None) -> requests.Response:
         url = f"{self.base_url}{route}"
         headers = dict(self.admin_headers) if route in ADMIN_ROUTES else {}
         body = None if json is None else _encode_json(json)
         if body is not None:
             headers["Content-Type"] = "application/json"
         try:
-            response = self.session.request(method, url, data=body, headers=headers or None,
+            response = self.session.request(method, url, data=body, headers=headers or None, params=params,
                                             timeout=(CONNECT_TIMEOUT, timeout or self.request_timeout))
         except requests.RequestException as err:
             raise ServerError(f"{url}: no answer within the retry budget: {err}") from err
@@ -325,11 +332,28 @@ class SGLangClient:
         """Ask the server to load new weights from `model_path` (a directory it can read); raises on failure.
 
         A dump with a `manifest.json` (the trainer's) that this machine can see is checked first, every file present
-        with its size: SGLang loads whatever tensors a directory holds and reports success.
+        with its size: SGLang loads whatever tensors a directory holds and reports success. A reload SGLang refuses
+        because requests still ran at its cache flush is sent again once they ended (`CACHE_NOT_FLUSHED`).
         """
         _check_dump(model_path, f"{self.base_url}/update_weights_from_disk")
-        return self._post_checked("/update_weights_from_disk", update_weights_request(model_path, weight_version, **extra),
-                                  f"the weights in {model_path}", "message")
+        body, what = update_weights_request(model_path, weight_version, **extra), f"the weights in {model_path}"
+        for attempt in range(1, CACHE_FLUSH_ATTEMPTS + 1):
+            try:
+                return self._post_checked("/update_weights_from_disk", body, what, "message")
+            except ServerRequestError as err:
+                if CACHE_NOT_FLUSHED not in err.detail or attempt == CACHE_FLUSH_ATTEMPTS:
+                    raise
+                logger.info("%s: %s; reloading once they are done", self.base_url, err.detail)
+                self.flush_cache(wait_s=CACHE_FLUSH_WAIT_S)
+
+    def flush_cache(self, wait_s: float = 0.0) -> bool:
+        """SGLang's `/flush_cache`: drop the prefix cache; with `wait_s`, the server waits that long for the requests
+        running or queued to end first. False when they did not (HTTP 400)."""
+        try:
+            self._request("POST", "/flush_cache", params={"timeout": wait_s}, timeout=wait_s + self.request_timeout)
+        except ServerRequestError:
+            return False
+        return True
 
     def pause_generation(self, mode: str = "retract") -> dict:
         """SGLang's `/pause_generation`: `retract` (the requests under way keep their tokens; their KV cache is

@@ -149,27 +149,46 @@ def restore_default_weights(url: str, model: Path, **keys: str) -> None:
 
 
 class KillServerAt(TrainerCallback):
-    """Kill `server` (SIGKILL, its process group) after optimizer step `step`; with `restart_after` seconds, start it
-    again, the same server (built-in or SGLang) on the same port, that much later (in `self.restarted`; stop it with
-    `stop()`)."""
+    """Kill `server` (SIGKILL, its process group) after optimizer step `step` and, with `restart_after` seconds or
+    `restart_at` (a later step), start it again: the same server (built-in or SGLang) on the same port, that much
+    later on a timer, or at the end of step `restart_at`, answering before the step ends (in `self.restarted`; stop
+    it with `stop()`)."""
 
-    def __init__(self, server: LocalServer, step: int, restart_after: Optional[float] = None):
-        self.server, self.step, self.restart_after = server, step, restart_after
+    def __init__(self, server: LocalServer, step: int, restart_after: Optional[float] = None,
+                 restart_at: Optional[int] = None):
+        self.server, self.step, self.restart_after, self.restart_at = server, step, restart_after, restart_at
         self.restarted: Optional[LocalServer] = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step != self.step:
-            return
-        self.server.stop(signal.SIGKILL)
-        if self.restart_after is not None:
-            self.restarted = copy.copy(self.server)  # its command and port, a process of its own
-            self.restarted.process = None
-            threading.Timer(self.restart_after, self.restarted.start).start()
+        if state.global_step == self.step:
+            self.server.stop(signal.SIGKILL)
+            if self.restart_after is not None:
+                threading.Timer(self.restart_after, self._again().start).start()
+        elif state.global_step == self.restart_at:
+            self._again().start()
+
+    def _again(self) -> LocalServer:
+        self.restarted = copy.copy(self.server)  # its command and port, a process of its own
+        self.restarted.process = None
+        return self.restarted
 
     def stop(self) -> None:
         self.server.stop()
         if self.restarted is not None:
             self.restarted.stop()
+
+
+class WaitAt(TrainerCallback):
+    """After optimizer step `step`, wait until `until()` holds (`what` it waits for); after 120 s the run fails."""
+
+    def __init__(self, step: int, until, what: str):
+        self.step, self.until, self.what = step, until, what
+
+    def on_step_end(self, args, state, control, **kwargs):
+        deadline = time.monotonic() + 120
+        while state.global_step == self.step and not self.until():
+            assert time.monotonic() < deadline, f"after step {self.step}: waited 120 s for {self.what}"
+            time.sleep(0.2)
 
 
 def read_jsonl(path: Path) -> list[dict]:

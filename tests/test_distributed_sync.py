@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.local_server import BuiltinServer, free_port
@@ -26,7 +25,7 @@ from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext import weight_broadcast
 from open_r1_ext.weight_broadcast import WeightBroadcast, WeightUpdate, resolve_backend
 from tests.fake_sglang import FakeSGLang
-from tests.helpers import KillServerAt, reward_len, restore_default_weights, tiny_config, tiny_dataset, tiny_recipe
+from tests.helpers import KillServerAt, WaitAt, reward_len, restore_default_weights, tiny_config, tiny_dataset, tiny_recipe
 from tests.weight_buckets import (before_broadcast, kill_trainer_mid_broadcast, same, send_model, served_logprobs,
                                   stop_process)
 
@@ -178,33 +177,21 @@ def test_async_generation_sends_each_sync_from_the_training_thread(pair, tiny_mo
     restore_default_weights(url, tiny_model)
 
 
-class WaitUntilBack(TrainerCallback):
-    """After optimizer step `step`, wait (up to 120 s) until `pool` finds replica `name` answering without the
-    weights (back from a restart, waiting to be sent them)."""
-
-    def __init__(self, pool, name: str, step: int):
-        self.pool, self.name, self.step = pool, name, step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        deadline = time.monotonic() + 120
-        while state.global_step == self.step and self.name not in self.pool.behind() and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-
 def test_two_replicas_take_every_sync_and_one_killed_mid_run_catches_up(pair, tiny_model, tmp_path, monkeypatch):
-    """A pool of a shared server and one killed after step 1 and started again on its port (the run waits for the pool
-    to find it back after step 2): it comes back without the weights, is sent them at the start of the next batch
-    (never sampled from before), and serves again; both end on the final policy."""
+    """A pool of a shared server and one killed after step 1 and started again on its port at the end of step 2 (the
+    run waits for the pool to find it back): it comes back without the weights, is sent them at the start of the next
+    batch (never sampled from before), and serves again; both end on the final policy."""
     monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.2)
     a = pair[0]
     c = BuiltinServer(str(tiny_model)).start()
-    killer = KillServerAt(c, step=1, restart_after=0.0)
+    killer = KillServerAt(c, step=1, restart_at=2)
     try:
         args = tiny_config(tmp_path, max_steps=5, per_device_train_batch_size=8, generation_url=[a.url, c.url],
                            ref_model_url=f"{a.url}/ref", transport="distributed")
         trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args,
                                     train_dataset=tiny_dataset(), callbacks=[killer])
-        trainer.add_callback(WaitUntilBack(trainer.remote_generation.client, c.url, step=2))
+        pool = trainer.remote_generation.client
+        trainer.add_callback(WaitAt(2, lambda: c.url in pool.behind(), f"{c.url} back, waiting for the weights"))
         trainer.train()
         assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3, 4, 5]
         rollouts = read_jsonl(tmp_path / "rollouts.jsonl")

@@ -133,6 +133,24 @@ def test_in_place_pause_keeps_the_old_cache_and_a_reload_must_not_flush_it(any_s
         assert (served[split + 1:] - other[split + 1:]).abs().max() > 0.01
 
 
+def test_a_reload_refused_for_requests_under_way_is_sent_again_once_they_end(any_server, tiny_model, other_tiny_model):
+    """SGLang refuses a reload whose cache flush finds requests running or queued (the batch just answered can still be
+    the scheduler's for one iteration: a restore right after a generation failed CI that way). The client waits for
+    them with `/flush_cache?timeout=` and reloads again. Made certain here by an `in_place` pause."""
+    client = SGLangClient(any_server.url, request_timeout=120)
+    streams = Streams(any_server.url, PROMPTS[:2], new_tokens=120)
+    streams.wait_for(20)
+    assert client.pause_generation("in_place") == PAUSED
+    assert not client.flush_cache(wait_s=0.5)  # held in place: not flushed, after waiting
+    threading.Timer(2.0, client.continue_generation).start()
+    answer = client.update_weights_from_disk(str(other_tiny_model), weight_version="new")
+    assert answer["success"] and client.weight_version() == "new"  # the refused try left "default" reported
+    finals = streams.join()  # the requests ran to their end
+    assert [(f["meta_info"]["completion_tokens"], f["meta_info"]["finish_reason"]["type"]) for f in finals] == [
+        (120, "length")] * 2
+    assert client.flush_cache()  # nothing under way
+
+
 def test_abort_pause_ends_the_requests_under_way_and_holds_new_ones(any_server):
     client = SGLangClient(any_server.url, request_timeout=120)
     streams = Streams(any_server.url, PROMPTS[:2])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer, cli
 from open_r1_ext.config.recipe import load_recipe
@@ -20,8 +21,8 @@ from open_r1_ext.server_pool import NoReplicaError, ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.train import pool_settings
 from tests.fake_sglang import FakeSGLang
-from tests.helpers import (KillServerAt, read_jsonl, restore_default_weights, reward_len, served, synced, tiny_config,
-                           tiny_dataset, tiny_recipe)
+from tests.helpers import (KillServerAt, WaitAt, read_jsonl, restore_default_weights, reward_len, served, synced,
+                           tiny_config, tiny_dataset, tiny_recipe)
 
 SAMPLING = {"max_new_tokens": 4, "temperature": 1.0}
 
@@ -302,22 +303,39 @@ def test_a_replica_killed_mid_run_is_dropped_and_the_run_finishes(pair, replicas
 
 
 @on_real_servers
+class AdvertiseAt(TrainerCallback):
+    """A new server job advertising itself (its address file) at the end of optimizer step `step`."""
+
+    def __init__(self, addresses: Path, name: str, url: str, step: int):
+        self.addresses, self.name, self.url, self.step = addresses, name, url, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            write_address(self.addresses, self.name, self.url)
+
+
 def test_a_joiner_gets_the_current_weights_before_it_serves(pair, tiny_model, tmp_path, monkeypatch):
+    """`open-r1-ext train` on a pool read from an address directory: a second server advertises itself after step 1
+    (the run waits until the pool has caught it up: a tiny step is faster than a rescan), is sent the weights (the
+    last dump, replayed) before it serves, and serves from then on."""
     monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.2)
     a, b = pair
     addresses, run = tmp_path / "replicas" / "server", tmp_path / "run"
     write_address(addresses, "1001", a.url)
 
-    def new_server_job():  # advertises itself once step 1 is done
-        while not (run / "metrics.jsonl").is_file():
-            time.sleep(0.05)
-        write_address(addresses, "1002", b.url)
+    class WithJoiner(RemoteGRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_callback(AdvertiseAt(addresses, "1002", b.url, step=1))
+            pool = self.remote_generation.client
+            self.add_callback(WaitAt(1, lambda: "1002" in pool.behind() or pool.replicas().get("1002") == "serving",
+                                     "the pool to catch the joiner up"))
 
-    threading.Thread(target=new_server_job, daemon=True).start()
+    monkeypatch.setattr("open_r1_ext.trainer.remote_trainer.RemoteGRPOTrainer", WithJoiner)
     recipe = tiny_recipe(tmp_path, tiny_model, max_steps=5)
     assert cli.main(["train", str(recipe), "--server-dir", str(addresses)]) == 0  # the reference: each one's /ref
     batches = served(run)
-    assert batches[0] == ["1001", "1001"] and any("1002" in batch for batch in batches[1:])
+    assert batches[0] == ["1001", "1001"] and "1002" in batches[1]
     # every batch it served was sampled from the trainer's current weights (else staleness > 0 had stopped the run)
     assert all(e["staleness"] == 0 for e in read_jsonl(run / "rollouts.jsonl"))
     assert synced(run)[5] == ["1001", "1002"]

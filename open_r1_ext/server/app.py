@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable, Optional
 
 import orjson
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -101,6 +101,10 @@ LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.
 # (`scheduler_components/weight_updater.py` ~120-133); the weights and version have changed all the same.
 CACHE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
                      "Retract or finish them, then call /flush_cache.")
+
+
+FLUSH_TIMED_OUT = "Timed out waiting for idle state."  # SGLang's `/flush_cache?timeout=` that waited in vain
+FLUSH_POLL_S = 0.05
 
 
 class CacheNotFlushed(RuntimeError):
@@ -388,7 +392,14 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
+    async def flush_cache(timeout: float = Query(0.0, ge=0.0)) -> Response:
+        """As SGLang (no prefix cache here): refused while requests paused `in_place` keep a KV cache; with `timeout`,
+        answered once they ended (`/continue_generation`), or refused after that many seconds."""
+        deadline = time.monotonic() + timeout
+        while batcher.holds_kv():
+            if time.monotonic() >= deadline:
+                return PlainTextResponse(FLUSH_TIMED_OUT if timeout else "Flush cache failed.\n", status_code=400)
+            await asyncio.sleep(FLUSH_POLL_S)
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/update_weights_from_disk")

@@ -136,7 +136,8 @@ class Batcher:
         return self.submit("continue", None)
 
     def holds_kv(self) -> bool:
-        """On the worker thread: whether sequences paused `in_place` keep a KV cache of the weights they began with."""
+        """Whether sequences paused `in_place` keep a KV cache of the weights they began with (a snapshot: exact on the
+        worker thread, e.g. in a call)."""
         return self._paused == "in_place" and bool(self._decoding)
 
     def close(self) -> None:

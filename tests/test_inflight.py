@@ -93,26 +93,32 @@ def test_groups_train_as_they_complete_within_the_staleness_bound(tiny_model, se
     restore_default_weights(server.url, tiny_model)
 
 
+# Off-policy by a step (as async_generation alone), it learns later than the demo, and later still on a busy machine
+# (the samples, so the few early rewards that start it, follow the timing): the reward (~0.005 at first) took off at
+# step 11-13 alone, 24-25 beside three more runs, after step 40 once in CI; ~0.9 some 12 steps after.
+LEARN_STEPS = 60
+
+
 def test_the_demo_recipe_learns_with_in_flight_updates(tiny_model, tmp_path):
     """`make demo`'s recipe with `sync.in_flight_updates` (and its embedded built-in server), as a user runs it."""
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "open_r1_ext.train", "--config", RECIPE,
                              "--set", f"model.name_or_path={tiny_model}", "--set", f"trainer.output_dir={run_dir}",
                              "--set", "sync.async_generation=true", "--set", "sync.in_flight_updates=true",
-                             "--set", "trainer.max_steps=40"],
+                             "--set", f"trainer.max_steps={LEARN_STEPS}"],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rewards = [e["reward"] for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "reward" in e]
-    # off-policy by a step (as async_generation alone) it learns slower than the demo: measured 0.00 -> 0.6-0.8 at 30
-    assert len(rewards) == 40 and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.4, rewards
+    assert len(rewards) == LEARN_STEPS and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.4, rewards
     log = rollouts(run_dir)
-    assert max(trained_positions(log).values()) == 1 and sum(trained_positions(log).values()) == 40 * 2
+    assert max(trained_positions(log).values()) == 1 and sum(trained_positions(log).values()) == LEARN_STEPS * 2
     assert all(e["staleness"] <= 1 for e in log if not e.get("dropped"))
     assert "group_wait" in result.stdout  # the step lines say where the time went
     status = subprocess.run([sys.executable, "-m", "open_r1_ext.cli", "status", str(run_dir)], capture_output=True,
                             text=True, timeout=120)
-    assert re.search(r"^staleness [01] step\(s\) at step 40 \(max 1\); in flight: its groups from weights [\d, ]+; "
-                     r"\d+ group\(s\) dropped as too stale \(sent again\) so far$", status.stdout, re.MULTILINE), status.stdout
+    assert re.search(rf"^staleness [01] step\(s\) at step {LEARN_STEPS} \(max 1\); "
+                     r"in flight: its groups from weights [\d, ]+; \d+ group\(s\) dropped as too stale \(sent again\) so far$",
+                     status.stdout, re.MULTILINE), status.stdout
 
 
 class StopAt(TrainerCallback):

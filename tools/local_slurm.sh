@@ -59,8 +59,10 @@ install_packages() {
         return
     fi
     log "installing slurm-wlm and munge via apt-get ..."
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null \
+    # another apt-get (a second start, the machine's own updates) holds dpkg's lock: wait for it (10 min at most)
+    local apt=(apt-get -o DPkg::Lock::Timeout=600)
+    "${apt[@]}" update -qq
+    DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq slurm-wlm munge >/dev/null \
         || die "apt-get install slurm-wlm munge failed"
 }
 

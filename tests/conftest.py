@@ -13,6 +13,8 @@ import torch
 from tools.make_tiny_model import make_tiny_model
 
 from open_r1_ext.launch.local_server import BuiltinServer, SGLangServer, free_port
+from open_r1_ext.sglang_client import SGLangClient
+from tests.helpers import restore_default_weights
 from tests.slurm_helpers import REPO, TinyRun, fake_slurm_commands
 
 # One torch thread per process: the tests run trainers and servers side by side on 2 cores, and OpenMP pools that
@@ -87,6 +89,15 @@ def protocol_server(request):
     and real SGLang 0.5.23 on the CPU (`shared_sglang`, which has no deterministic mode: it ignores `sampling_seed`).
     `protocol_server.engine` says which; what only one of them does is asserted for that one, saying why."""
     return request.getfixturevalue("server" if request.param == "builtin" else "shared_sglang")
+
+
+@pytest.fixture()
+def any_server(protocol_server, tiny_model):
+    """A test that runs on the built-in server and on real SGLang (`protocol_server`: the module's built-in server, the
+    SGLang server the modules share), which is continued and put back on the tiny model's weights afterwards."""
+    yield protocol_server
+    SGLangClient(protocol_server.url).continue_generation()
+    restore_default_weights(protocol_server.url, tiny_model)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Helpers shared by the tests: a tiny prompt dataset, a reward, configs sized for 2 CPU cores, model variants,
-the server chores (restore its start-up weights, kill and restart it mid-training), a stand-in HTTP server in a
-thread, and `open_r1_ext.train` as a real process (its recipe, its step lines, its children)."""
+the server chores (restore its start-up weights, start another of its kind, say which engine answers, kill and restart
+it mid-training), a stand-in HTTP server in a thread, and `open_r1_ext.train` as a real process (its recipe, its step
+lines, its children)."""
 
 import copy
 import json
@@ -20,7 +21,7 @@ from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from open_r1_ext import RemoteGRPOConfig
-from open_r1_ext.launch.local_server import LocalServer
+from open_r1_ext.launch.local_server import LocalServer, free_port
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION
 from open_r1_ext.sglang_client import SGLangClient
 from tools.bench_common import arithmetic_prompts
@@ -148,6 +149,23 @@ def restore_default_weights(url: str, model: Path, **keys: str) -> None:
     assert client.update_weights_from_disk(str(model), weight_version=DEFAULT_WEIGHT_VERSION)["success"]
 
 
+def server_like(server: LocalServer, port: Optional[int] = None, log_path: Optional[Path] = None) -> LocalServer:
+    """Another server of `server`'s kind (a built-in server or SGLang, with its interpreter and flags) on the same
+    model, on `port` (default: a free one), logging to `log_path`; not started."""
+    other = copy.copy(server)  # its class, command and settings; a process of its own
+    other.port, other.log_path, other.process = port or free_port(server.host), log_path, None
+    return other
+
+
+def engine_at(url: str) -> str:
+    """Which engine answers at `url`, from its `/server_info`: `builtin` (it says so), `sglang` (real SGLang reports
+    its server arguments, e.g. `attention_backend`) or `unknown` (e.g. `tests/fake_sglang.py`)."""
+    info = SGLangClient(url).server_info()
+    if info.get("engine") == "builtin":
+        return "builtin"
+    return "sglang" if "attention_backend" in info else "unknown"
+
+
 class KillServerAt(TrainerCallback):
     """Kill `server` (SIGKILL, its process group) after optimizer step `step` and, with `restart_after` seconds or
     `restart_at` (a later step), start it again: the same server (built-in or SGLang) on the same port, that much
@@ -168,8 +186,7 @@ class KillServerAt(TrainerCallback):
             self._again().start()
 
     def _again(self) -> LocalServer:
-        self.restarted = copy.copy(self.server)  # its command and port, a process of its own
-        self.restarted.process = None
+        self.restarted = server_like(self.server, port=self.server.port, log_path=self.server.log_path)
         return self.restarted
 
     def stop(self) -> None:

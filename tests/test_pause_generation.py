@@ -18,20 +18,11 @@ from transformers import AutoModelForCausalLM
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.protocol import completion_from_generate
 from open_r1_ext.sglang_client import SGLangClient
-from tests.helpers import restore_default_weights, reward_len, tiny_config, tiny_dataset
+from tests.helpers import reward_len, tiny_config, tiny_dataset
 
 NEW_TOKENS = 300
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
-
-
-@pytest.fixture()
-def any_server(protocol_server, tiny_model):
-    """Each test runs on the built-in server and on real SGLang (`protocol_server`: the module's built-in server, the
-    SGLang server the protocol modules share), continued and put back on the tiny model's weights afterwards."""
-    yield protocol_server
-    SGLangClient(protocol_server.url).continue_generation()
-    restore_default_weights(protocol_server.url, tiny_model)
 
 
 class Streams:

@@ -21,7 +21,7 @@ from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.run_status import staleness
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.trainer.inflight import STATE_FILE, InFlightGeneration
-from tests.helpers import engine_at, server_like, tiny_config, tiny_dataset
+from tests.helpers import engine_at, restore_default_weights, server_like, tiny_config, tiny_dataset
 from tests.slurm_helpers import RECIPE, REPO
 from tests.test_async import low_ids
 

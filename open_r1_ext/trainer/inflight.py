@@ -128,7 +128,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
         staleness = step - versions[0]
         if versions[-1] < group.sent_at and self.trainer.accelerator.is_main_process:
             logger.warning("generation server sampled a group from weights %d, older than the weights %s it was given "
-                           "(restarted?): restoring them", versions[-1], target.version)
+                           "(restarted?): restoring them", versions[-1], self.target.version)
             self._updates.append(self.rollouts.submit(self._restore))
         return staleness if staleness > self.trainer.args.max_weight_staleness else None
 

@@ -111,7 +111,8 @@ class SGLangClient:
         base_url (`str`): the server's address, e.g. `"http://node-3:30000"`.
         api_key (`str` or `None`, *optional*): sent as `Authorization: Bearer KEY`.
         request_timeout (`float`, *optional*, defaults to `600.0`): seconds for one HTTP call.
-        max_retries (`int`, *optional*, defaults to `8`): retries of a call on connection errors and 5xx.
+        max_retries (`int`, *optional*, defaults to `8`): retries of a call on connection errors and 5xx; an answer
+            that breaks off after its headers (the server killed while it answered) is sent again as often.
         backoff_factor (`float`, *optional*, defaults to `0.5`): retry `k` waits `backoff_factor * 2**k` s (at most 30).
         max_batch_tokens (`int`, *optional*, defaults to `65536`): token budget of one request; larger batches are
             split and the parts sent concurrently.
@@ -158,6 +159,7 @@ class SGLangClient:
     ):
         self.base_url = base_url.rstrip("/")
         self.request_timeout = request_timeout
+        self.max_retries, self.backoff_factor = max_retries, backoff_factor
         self.max_batch_tokens = max_batch_tokens
         self.max_concurrency = max_concurrency
         self.session = requests.Session()
@@ -188,11 +190,20 @@ class SGLangClient:
         body = None if json is None else _encode_json(json)
         if body is not None:
             headers["Content-Type"] = "application/json"
-        try:
-            response = self.session.request(method, url, data=body, headers=headers or None, params=params,
-                                            timeout=(CONNECT_TIMEOUT, timeout or self.request_timeout))
-        except requests.RequestException as err:
-            raise ServerError(f"{url}: no answer within the retry budget: {err}") from err
+        for cut_off in range(self.max_retries + 1):
+            try:
+                response = self.session.request(method, url, data=body, headers=headers or None, params=params,
+                                                timeout=(CONNECT_TIMEOUT, timeout or self.request_timeout))
+                break
+            except requests.exceptions.ChunkedEncodingError as err:
+                # The answer broke off after its headers (a server killed while it answered): urllib3's retries end
+                # at the headers, so the call is sent again here, with the same back-off.
+                if cut_off == self.max_retries:
+                    raise ServerError(f"{url}: the answer broke off {cut_off + 1} times: {err}") from err
+                logger.warning("%s: the answer broke off (%s); sending the request again", url, err)
+                time.sleep(min(30.0, self.backoff_factor * 2 ** cut_off))
+            except requests.RequestException as err:
+                raise ServerError(f"{url}: no answer within the retry budget: {err}") from err
         if 400 <= response.status_code < 500:
             detail = _error_text(response)
             raise ServerRequestError(f"{url} rejected the request (HTTP {response.status_code}): {detail}",

@@ -51,6 +51,42 @@ def test_a_lost_server_costs_one_retry_budget_not_one_per_reload_attempt(tmp_pat
         assert Unavailable.calls == 3  # the client's 1 + 2 retries, once (it was 3 reload attempts x 3 before)
 
 
+class CutsOff(BaseHTTPRequestHandler):
+    """Answers the first `cut_offs` requests with headers and a part of the body, then closes the connection (a server
+    killed while it answered); later ones in full."""
+
+    calls, cut_offs = 0, 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).calls += 1
+        body = b'{"weight_version": "7"}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.calls <= self.cut_offs:
+            self.wfile.write(body[:5])
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("cut_offs,answered", [(2, True), (3, False)])
+def test_an_answer_that_breaks_off_is_sent_again_as_often_as_max_retries(cut_offs, answered):
+    CutsOff.calls, CutsOff.cut_offs = 0, cut_offs
+    with http_server(CutsOff) as url:
+        client = SGLangClient(url, max_retries=2, backoff_factor=0.0)
+        if answered:
+            assert client.post_json("/generate", {"input_ids": [1]}) == {"weight_version": "7"}
+        else:
+            with pytest.raises(ServerError, match=r"/generate: the answer broke off 3 times"):
+                client.post_json("/generate", {"input_ids": [1]})
+    assert CutsOff.calls == 3
+
+
 def test_a_failed_sync_logs_its_step_saves_a_checkpoint_and_says_what_next(tiny_model, tmp_path):
     srv = BuiltinServer(str(tiny_model)).start()
     killer = KillServerAt(srv, step=2)  # before the weight-sync callback: the sync of step 2 finds no server

@@ -207,3 +207,10 @@ def test_the_checks_find_a_lazy_back_arrow_and_the_circle_it_closes(tmp_path):
     graph = import_graph(copy, open_r1_ext._LAZY)
     assert back_arrows(graph) == ["open_r1_ext.config.recipe -> open_r1_ext.launch.run_key (schema -> launch)"]
     assert circles(graph) == [["open_r1_ext.config.recipe", "open_r1_ext.launch.run_key"]]
+
+
+def test_pyflakes_finds_no_undefined_or_unused_name():
+    """An undefined name is a NameError on whatever path reaches it, tested or not (two were found this way)."""
+    found = subprocess.run([sys.executable, "-m", "pyflakes", "open_r1_ext", "tests", "tools"],
+                           cwd=Path(open_r1_ext.__file__).parents[1], capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout + found.stderr

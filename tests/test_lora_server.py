@@ -317,7 +317,7 @@ def test_lora_flags_are_checked_at_start(flags, words, capsys):
 
 
 def test_enable_lora_without_peft_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed: find_spec answers None
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"])
     assert "--enable-lora needs peft, which is not installed: pip install peft" in capsys.readouterr().err

@@ -177,6 +177,11 @@ def assert_serves(url: str, model, version: str) -> list[torch.Tensor]:
     return served_logprobs
 
 
+def max_gap(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
+    """The largest difference between two lists of per-sequence log-probs."""
+    return max((x - y).abs().max().item() for x, y in zip(xs, ys))
+
+
 def test_sync_every_step_with_a_reference_server_of_its_own(pair, tiny_model, tmp_path):
     """Generation on `a` (synced every step), the reference on `b` (re-synced at step 3 of 4): afterwards `a` serves
     the saved final model and `b` the step-3 dump, each reporting its sync's version; each sync logged once."""
@@ -194,8 +199,8 @@ def test_sync_every_step_with_a_reference_server_of_its_own(pair, tiny_model, tm
     reference = assert_serves(b.url, tmp_path / "run" / "weights" / "step-3", "ref-3")
     initial = forward_logprobs(tiny_model, SEQUENCES)
     # training moved the weights well past the tolerance: a server still on older weights would fail the checks above
-    assert max((x - y).abs().max().item() for x, y in zip(final, initial)) > 20 * ATOL
-    assert max((x - y).abs().max().item() for x, y in zip(final, reference)) > 5 * ATOL
+    assert max_gap(final, initial) > 20 * ATOL
+    assert max_gap(final, reference) > 5 * ATOL
 
 
 def test_async_generation_is_at_most_one_step_stale(pair, tiny_model, tmp_path):
@@ -261,11 +266,9 @@ def test_a_replica_killed_mid_run_comes_back_and_confirms_the_later_syncs(pair, 
         assert [e["path"] for e in log] == [str(tmp_path / "weights" / f"step-{step}") for step in range(1, 6)]
         assert sends == []
     assert all(sorted(set(batch)) == both for batch in served(tmp_path))  # it served every batch after too
-    for url in (a.url, b.url):
-        assert_serves(url, trainer.model, "5")  # both on the final policy
+    final = {url: assert_serves(url, trainer.model, "5") for url in (a.url, b.url)}  # both on the final policy
     # training moved the weights past the tolerance: a server still on older weights would fail the checks above
-    assert max((x - y).abs().max().item() for x, y in zip(forward_logprobs(trainer.model, SEQUENCES),
-                                                           forward_logprobs(tiny_model, SEQUENCES))) > 5 * ATOL
+    assert max_gap(final[a.url], forward_logprobs(tiny_model, SEQUENCES)) > 5 * ATOL
 
 
 def test_adapter_only_lora_sync(pair, tiny_model, tmp_path):

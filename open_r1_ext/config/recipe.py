@@ -213,14 +213,18 @@ def _role(*placements: str):
                      Discriminator(_spec_or_placement)]
 
 
+GenerationRole = _role("local")
+ReferenceRole = _role("generation", "local", "none")
+
+
 class Servers(Section):
     """Where each role runs. `generation`: a server spec, or `local` (TRL generates on the trainer). `reference`:
     `generation` (a slot of the generation server: the built-in server's `/ref`), `local` (TRL builds it on the
     trainer), `none` (no reference: `beta: 0`), or a server spec of its own."""
 
     api_key: Optional[str] = None
-    generation: _role("local") = Field(default_factory=ServerSpec)
-    reference: _role("generation", "local", "none") = "generation"
+    generation: GenerationRole = Field(default_factory=ServerSpec)
+    reference: ReferenceRole = "generation"
 
     @model_validator(mode="after")
     def _reference_port(self) -> "Servers":

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import hmac
+import importlib.util
 import logging
 import os
 import random
@@ -963,9 +964,7 @@ def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"--max-lora-rank {args.max_lora_rank}: must be at least 1")
     if LORA_TARGET_ALL in args.lora_target_modules and len(args.lora_target_modules) > 1:
         parser.error("--lora-target-modules: 'all' must be the only module named (as SGLang)")
-    try:
-        import peft  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("peft") is None:
         parser.error("--enable-lora needs peft, which is not installed: pip install peft")
 
 

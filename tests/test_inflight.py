@@ -99,6 +99,47 @@ def test_groups_train_as_they_complete_within_the_staleness_bound(tiny_model, se
 LEARN_STEPS = 60
 
 
+def test_groups_sampled_by_a_restarted_server_restore_its_weights_and_are_sampled_again(tiny_model, server, tmp_path,
+                                                                                           caplog):
+    """The server killed (SIGKILL) and started again between two syncs, so that it serves its initial weights: the
+    groups of step 5, held back until then, are sampled from weights older than those they were sent at. The step
+    that takes them gives the server its last confirmed weights again, drops them as too stale and sends them again."""
+    args = in_flight_config(tmp_path, server.url, max_weight_staleness=1, max_prompts_in_flight=2)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
+    generation, restarted, sent_at = trainer.remote_generation, threading.Event(), []
+    sample = generation._sample
+
+    def after_the_restart(group, done):
+        if group.batch == 4 and group.attempt == 0:
+            sent_at.append(group.sent_at)
+            restarted.wait(timeout=120)
+        sample(group, done)
+
+    class Restart(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 4:  # batch 4's groups sent (the bound is one batch), no sync under way
+                for update in list(generation._updates):
+                    update.result()
+                server.stop(signal.SIGKILL)
+                server.start()
+                restarted.set()
+
+    generation._sample = after_the_restart
+    trainer.add_callback(Restart())
+    with caplog.at_level("WARNING", logger="open_r1_ext"):
+        trainer.train()
+    assert restarted.is_set() and sent_at and min(sent_at) >= 1  # sent at weights the restarted server lost
+    assert "older than the weights" in caplog.text and "lost weight_version 4 (restarted?): reloading" in caplog.text
+    log = rollouts(tmp_path)
+    dropped = [e for e in log if e.get("dropped")]
+    assert dropped and {e["step"] for e in dropped} == {5} and all(e["versions"] == [0] for e in dropped), dropped
+    trained = [e for e in log if not e.get("dropped")]
+    assert all(e["staleness"] <= 1 for e in trained) and max(trained_positions(log).values()) == 1
+    assert [e["step"] for e in trained] == [step for step in range(1, 9) for _ in range(2)]
+    assert SGLangClient(server.url).weight_version() == "8"
+    restore_default_weights(server.url, tiny_model)
+
+
 def test_the_demo_recipe_learns_with_in_flight_updates(tiny_model, tmp_path):
     """`make demo`'s recipe with `sync.in_flight_updates` (and its embedded built-in server), as a user runs it."""
     run_dir = tmp_path / "run"

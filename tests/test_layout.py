@@ -1,4 +1,5 @@
-"""The layout's import rules.
+"""The layout's import rules; at the end, two checks of the tree as a whole: pyflakes finds no undefined or unused
+name, and `make test` runs each module's tests on one worker.
 
 Packages: the server side and the shared modules import neither TRL nor DeepSpeed, so a server node needs only the
 server's dependencies; the launch side validates nothing by importing the trainer eagerly.
@@ -214,3 +215,16 @@ def test_pyflakes_finds_no_undefined_or_unused_name():
     found = subprocess.run([sys.executable, "-m", "pyflakes", "open_r1_ext", "tests", "tools"],
                            cwd=Path(open_r1_ext.__file__).parents[1], capture_output=True, text=True)
     assert found.returncode == 0, found.stdout + found.stderr
+
+
+def test_make_test_runs_each_module_on_one_worker():
+    """`make test`'s `--dist loadgroup` groups by the id xdist gives each test (`tests/conftest.py`). When it did not
+    (pytest 9.2), every test went its own way: module fixtures (servers) started on both workers, SLURM tests ran side
+    by side, the suite took half as long again. (A fast module, run as `make test` runs the suite.)"""
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
+                          "tests/test_jobs.py"], cwd=Path(open_r1_ext.__file__).parents[1], capture_output=True,
+                         text=True, timeout=300)
+    passed = [line for line in ran.stdout.splitlines() if " PASSED " in line]
+    assert ran.returncode == 0 and passed, ran.stdout + ran.stderr
+    assert all(line.rstrip().endswith("@tests.test_jobs") for line in passed), passed
+    assert len({line.split()[0] for line in passed}) == 1, passed  # one worker ran them all

@@ -99,6 +99,7 @@ def test_groups_train_as_they_complete_within_the_staleness_bound(tiny_model, se
 LEARN_STEPS = 60
 
 
+@pytest.mark.timeout(180)  # without the restore, the groups are sampled from the initial weights again, forever
 def test_groups_sampled_by_a_restarted_server_restore_its_weights_and_are_sampled_again(tiny_model, server, tmp_path,
                                                                                            caplog):
     """The server killed (SIGKILL) and started again between two syncs, so that it serves its initial weights: the
@@ -116,8 +117,8 @@ def test_groups_sampled_by_a_restarted_server_restore_its_weights_and_are_sample
         sample(group, done)
 
     class Restart(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == 4:  # batch 4's groups sent (the bound is one batch), no sync under way
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:  # after the sync of step 4 (a callback before this one); batch 4's groups sent
                 for update in list(generation._updates):
                     update.result()
                 server.stop(signal.SIGKILL)

@@ -21,6 +21,7 @@ from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.run_status import staleness
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.trainer.inflight import STATE_FILE, InFlightGeneration
+from open_r1_ext.trainer.weight_sync import WeightSyncError
 from tests.helpers import engine_at, restore_default_weights, server_like, tiny_config, tiny_dataset
 from tests.slurm_helpers import RECIPE, REPO
 from tests.test_async import low_ids
@@ -100,11 +101,13 @@ LEARN_STEPS = 60
 
 
 @pytest.mark.timeout(180)  # without the restore, the groups are sampled from the initial weights again, forever
+@pytest.mark.parametrize("damaged", [False, True], ids=["restored", "dump-damaged"])
 def test_groups_sampled_by_a_restarted_server_restore_its_weights_and_are_sampled_again(tiny_model, server, tmp_path,
-                                                                                           caplog):
+                                                                                           caplog, damaged):
     """The server killed (SIGKILL) and started again between two syncs, so that it serves its initial weights: the
     groups of step 5, held back until then, are sampled from weights older than those they were sent at. The step
-    that takes them gives the server its last confirmed weights again, drops them as too stale and sends them again."""
+    that takes them gives the server its last confirmed weights again, drops them as too stale and sends them again.
+    With that dump damaged meanwhile, the restore fails and training stops at the next group, naming why."""
     args = in_flight_config(tmp_path, server.url, max_weight_staleness=1, max_prompts_in_flight=2)
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
     generation, restarted, sent_at = trainer.remote_generation, threading.Event(), []
@@ -121,24 +124,34 @@ def test_groups_sampled_by_a_restarted_server_restore_its_weights_and_are_sample
             if state.global_step == 4:  # after the sync of step 4 (a callback before this one); batch 4's groups sent
                 for update in list(generation._updates):
                     update.result()
+                if damaged:
+                    (tmp_path / "weights" / "step-4" / "model-00001-of-00001.safetensors").write_bytes(b"damaged")
                 server.stop(signal.SIGKILL)
                 server.start()
                 restarted.set()
 
     generation._sample = after_the_restart
     trainer.add_callback(Restart())
-    with caplog.at_level("WARNING", logger="open_r1_ext"):
-        trainer.train()
-    assert restarted.is_set() and sent_at and min(sent_at) >= 1  # sent at weights the restarted server lost
-    assert "older than the weights" in caplog.text and "lost weight_version 4 (restarted?): reloading" in caplog.text
-    log = rollouts(tmp_path)
-    dropped = [e for e in log if e.get("dropped")]
-    assert dropped and {e["step"] for e in dropped} == {5} and all(e["versions"] == [0] for e in dropped), dropped
-    trained = [e for e in log if not e.get("dropped")]
-    assert all(e["staleness"] <= 1 for e in trained) and max(trained_positions(log).values()) == 1
-    assert [e["step"] for e in trained] == [step for step in range(1, 9) for _ in range(2)]
-    assert SGLangClient(server.url).weight_version() == "8"
-    restore_default_weights(server.url, tiny_model)
+    try:
+        with caplog.at_level("WARNING", logger="open_r1_ext"):
+            if damaged:
+                with pytest.raises(WeightSyncError, match=r"lost its weights \(restarted\?\) and could not be given "
+                                                          r"them again: .*step-4"):
+                    trainer.train()
+                assert trainer.state.global_step == 4
+                return
+            trainer.train()
+        assert restarted.is_set() and sent_at and min(sent_at) >= 1  # sent at weights the restarted server lost
+        assert "older than the weights" in caplog.text and "lost weight_version 4 (restarted?): reloading" in caplog.text
+        log = rollouts(tmp_path)
+        dropped = [e for e in log if e.get("dropped")]
+        assert dropped and {e["step"] for e in dropped} == {5} and all(e["versions"] == [0] for e in dropped), dropped
+        trained = [e for e in log if not e.get("dropped")]
+        assert all(e["staleness"] <= 1 for e in trained) and max(trained_positions(log).values()) == 1
+        assert [e["step"] for e in trained] == [step for step in range(1, 9) for _ in range(2)]
+        assert SGLangClient(server.url).weight_version() == "8"
+    finally:
+        restore_default_weights(server.url, tiny_model)
 
 
 def test_the_demo_recipe_learns_with_in_flight_updates(tiny_model, tmp_path):

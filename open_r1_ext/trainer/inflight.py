@@ -79,6 +79,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
         self._formed: Optional[tuple[tuple, list[Completion]]] = None  # the batch handed to TRL, for `generate`
         self._updates: deque[Future] = deque()  # weight updates queued or running (main process)
         self._update_error: Optional[str] = None
+        self._restore_error: Optional[str] = None  # a server that lost its weights could not be given them again
         self._newest_dump = -1  # an update of an older dump than this is skipped: the newer one replaces it
         self._resume_state: Optional[dict] = None
         self._starting = False
@@ -123,7 +124,9 @@ class InFlightGeneration(AsyncRemoteGeneration):
     def stale(self, group: Group, step: int) -> Optional[int]:
         """The group's staleness at `step` (the step its training would start from) if it exceeds
         `max_weight_staleness`, else None; a group sampled from weights older than the server was confirmed at (it
-        restarted and lost them) has the servers' weights restored."""
+        restarted and lost them) has the servers' weights restored; once a restore failed, training stops here."""
+        if self._restore_error is not None:
+            raise WeightSyncError(self._restore_error)
         versions = group.versions()
         staleness = step - versions[0]
         if versions[-1] < group.sent_at and self.trainer.accelerator.is_main_process:
@@ -222,8 +225,10 @@ class InFlightGeneration(AsyncRemoteGeneration):
         try:
             if self.target.client.weight_version() != self.target.version:
                 self.weight_sync.repush(self.target)
-        except ServerError as err:
-            logger.warning("could not restore the generation server's weights: %s", err)
+        except ServerError as err:  # WeightSyncError among them: its groups would be sampled from lost weights forever
+            self._restore_error = (f"the generation server lost its weights (restarted?) and could not be given them "
+                                   f"again: {err}")
+            logger.warning("%s", self._restore_error)
 
     def _wait_for_weights(self, step: int) -> None:
         """Main process, before a step takes groups: the servers must hold weights at most `max_weight_staleness` steps

@@ -208,6 +208,14 @@ def test_two_replicas_take_every_sync_and_one_killed_mid_run_catches_up(pair, ti
 
 
 # --------------------------------------------------------------------------------------------- faults
+def gone(pid: int) -> bool:
+    """Whether process `pid` has exited (no longer there, or a zombie)."""
+    try:
+        return "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return True
+
+
 def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_and_the_next_one_updates_it(pair, tiny_model,
                                                                                               other_tiny_model, tmp_path):
     url = pair[0].url
@@ -218,7 +226,12 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_and_the_next_o
     while "Failed to receive weights" not in Path(pair[0].log_path).read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "Failed to receive weights" in Path(pair[0].log_path).read_text()  # it was receiving, and stopped
-    assert not Path(f"/proc/{broadcaster}").exists() or "Z" in Path(f"/proc/{broadcaster}/stat").read_text().split()[2]
+    # the broadcaster dies with its trainer (PR_SET_PDEATHSIG); the server may notice the trainer's closed connection
+    # first, so the broadcaster can still be exiting at that moment
+    deadline = time.monotonic() + 30
+    while not gone(broadcaster) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(broadcaster)
     assert client.weight_version() == "v1-partial"  # bucket 1 went in: mixed weights, and it says so
     assert post(url, "/begin_weight_update", {})[0] == 400  # the dead trainer's session is still open ...
     assert send_model([url], tiny_model, "default") == {url: None}  # ... the next trainer closes it and updates

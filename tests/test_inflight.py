@@ -1,8 +1,9 @@
 """In-flight weight updates (#23) against real servers: groups train as they complete, the staleness bound holds (too
-stale groups are dropped and sent again, never trained), completions span weight versions, a run learns (built-in
-servers); a run stopped mid-way resumes without losing or doubling a group, and a replica killed while paused loses
-nothing (each on the built-in server and on real SGLang 0.5.23 on the CPU, `any_server`). (A plain in-flight run on
-both servers: tests/test_pause_generation.py.)"""
+stale groups are dropped and sent again, never trained), completions span weight versions, a server restarted between
+two syncs has its weights restored (built-in servers); a run learns the demo task (the demo recipe on its built-in
+server, and in-process on real SGLang); a run stopped mid-way resumes without losing or doubling a group, and a
+replica killed while paused loses nothing (each on the built-in server and on real SGLang 0.5.23 on the CPU,
+`any_server`). (A plain in-flight run on both servers: tests/test_pause_generation.py.)"""
 
 import json
 import re
@@ -19,10 +20,12 @@ from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.launch.run_status import staleness
+from open_r1_ext.rewards import target_token
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.trainer.inflight import STATE_FILE, InFlightGeneration
 from open_r1_ext.trainer.weight_sync import WeightSyncError
-from tests.helpers import engine_at, restore_default_weights, server_like, tiny_config, tiny_dataset
+from tests.helpers import (arithmetic_prompts, engine_at, restore_default_weights, server_like, tiny_config,
+                           tiny_dataset)
 from tests.slurm_helpers import RECIPE, REPO
 from tests.test_async import low_ids
 
@@ -174,6 +177,34 @@ def test_the_demo_recipe_learns_with_in_flight_updates(tiny_model, tmp_path):
     assert re.search(rf"^staleness [01] step\(s\) at step {LEARN_STEPS} \(max 1\); "
                      r"in flight: its groups from weights [\d, ]+; \d+ group\(s\) dropped as too stale \(sent again\) so far$",
                      status.stdout, re.MULTILINE), status.stdout
+
+
+def demo_reward(completion_ids, **kwargs):
+    """The demo recipe's main reward (`target_token`, id 20: recipes/tiny/grpo.yaml)."""
+    return target_token(completion_ids, target_token_id=20)
+
+
+SGLANG_LEARN_STEPS = 40  # took off at step 7-11, reward ~1 from step 17-19 (3 runs alone): room for a busy machine
+
+
+def test_a_tiny_run_with_in_flight_updates_learns_the_demo_task_on_real_sglang(shared_sglang, tiny_model, tmp_path):
+    """The demo's reward and learning rate, in-flight against real SGLang on the CPU: every step's weights paused into
+    the generations under way. (The demo recipe itself, with its built-in server, is the test above.)"""
+    args = in_flight_config(tmp_path, shared_sglang.url, max_steps=SGLANG_LEARN_STEPS, max_completion_length=16,
+                            learning_rate=2e-2, max_weight_staleness=1, generation_kwargs={})
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=demo_reward, args=args,
+                                train_dataset=arithmetic_prompts(64))
+    try:
+        trainer.train()
+        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h and "loss" in h]
+        assert len(rewards) == SGLANG_LEARN_STEPS and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.4, rewards
+        log = rollouts(tmp_path)
+        assert max(trained_positions(log).values()) == 1 and sum(trained_positions(log).values()) == SGLANG_LEARN_STEPS * 2
+        assert all(e["staleness"] <= 1 for e in log if not e.get("dropped"))
+        assert any(len(e["versions"]) > 1 for e in log)  # completions went on across a weight update
+        assert SGLangClient(shared_sglang.url).weight_version() == str(SGLANG_LEARN_STEPS)
+    finally:
+        restore_default_weights(shared_sglang.url, tiny_model)
 
 
 class StopAt(TrainerCallback):

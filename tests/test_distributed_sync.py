@@ -25,7 +25,8 @@ from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext import weight_broadcast
 from open_r1_ext.weight_broadcast import WeightBroadcast, WeightUpdate, resolve_backend
 from tests.fake_sglang import FakeSGLang
-from tests.helpers import KillServerAt, WaitAt, reward_len, restore_default_weights, tiny_config, tiny_dataset, tiny_recipe
+from tests.helpers import (KillServerAt, WaitAt, gone, reward_len, restore_default_weights, tiny_config, tiny_dataset,
+                           tiny_recipe)
 from tests.weight_buckets import (before_broadcast, kill_trainer_mid_broadcast, same, send_model, served_logprobs,
                                   stop_process)
 
@@ -208,14 +209,6 @@ def test_two_replicas_take_every_sync_and_one_killed_mid_run_catches_up(pair, ti
 
 
 # --------------------------------------------------------------------------------------------- faults
-def gone(pid: int) -> bool:
-    """Whether process `pid` has exited (no longer there, or a zombie)."""
-    try:
-        return "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return True
-
-
 def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_and_the_next_one_updates_it(pair, tiny_model,
                                                                                               other_tiny_model, tmp_path):
     url = pair[0].url
@@ -228,10 +221,7 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_and_the_next_o
     assert "Failed to receive weights" in Path(pair[0].log_path).read_text()  # it was receiving, and stopped
     # the broadcaster dies with its trainer (PR_SET_PDEATHSIG); the server may notice the trainer's closed connection
     # first, so the broadcaster can still be exiting at that moment
-    deadline = time.monotonic() + 30
-    while not gone(broadcaster) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert gone(broadcaster)
+    assert gone(broadcaster, within_s=30)
     assert client.weight_version() == "v1-partial"  # bucket 1 went in: mixed weights, and it says so
     assert post(url, "/begin_weight_update", {})[0] == 400  # the dead trainer's session is still open ...
     assert send_model([url], tiny_model, "default") == {url: None}  # ... the next trainer closes it and updates

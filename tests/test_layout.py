@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import open_r1_ext
+from tests.slurm_helpers import REPO
 
 TRAINER_ONLY = ("trl", "deepspeed", "accelerate", "datasets")
 
@@ -213,7 +214,7 @@ def test_the_checks_find_a_lazy_back_arrow_and_the_circle_it_closes(tmp_path):
 def test_pyflakes_finds_no_undefined_or_unused_name():
     """An undefined name is a NameError on whatever path reaches it, tested or not (two were found this way)."""
     found = subprocess.run([sys.executable, "-m", "pyflakes", "open_r1_ext", "tests", "tools"],
-                           cwd=Path(open_r1_ext.__file__).parents[1], capture_output=True, text=True)
+                           cwd=REPO, capture_output=True, text=True)
     assert found.returncode == 0, found.stdout + found.stderr
 
 
@@ -225,7 +226,7 @@ def test_make_test_runs_each_module_on_one_worker(request):
         assert request.node.nodeid.endswith("@tests.test_layout"), request.node.nodeid
         return
     ran = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
-                          "tests/test_jobs.py"], cwd=Path(open_r1_ext.__file__).parents[1], capture_output=True,
+                          "tests/test_jobs.py"], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     passed = [line for line in ran.stdout.splitlines() if " PASSED " in line]
     assert ran.returncode == 0 and passed, ran.stdout + ran.stderr

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one HTTP call (a server that accepts and then hangs: this, per try)
 DEFAULT_MAX_RETRIES = 8
 DEFAULT_BACKOFF_FACTOR = 0.5
+BACKOFF_MAX_S = 30.0  # the longest wait between two tries
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection (of the request timeout)
 DEFAULT_MAX_BATCH_TOKENS = 65536
 ABORT_RETRIES = 2  # times an item the server aborted (HTTP 200, finish_reason "abort") is sent again
@@ -172,7 +173,7 @@ class SGLangClient:
             status_forcelist=(500, 502, 503, 504),
             allowed_methods=None,  # our POSTs are idempotent: scoring, seeded sampling, reloading a path
             backoff_factor=backoff_factor,
-            backoff_max=30.0,
+            backoff_max=BACKOFF_MAX_S,
             raise_on_status=False,
         )
         adapter = HTTPAdapter(max_retries=retry, pool_connections=max_concurrency, pool_maxsize=max_concurrency)
@@ -201,7 +202,7 @@ class SGLangClient:
                 if cut_off == self.max_retries:
                     raise ServerError(f"{url}: the answer broke off {cut_off + 1} times: {err}") from err
                 logger.warning("%s: the answer broke off (%s); sending the request again", url, err)
-                time.sleep(min(30.0, self.backoff_factor * 2 ** cut_off))
+                time.sleep(min(BACKOFF_MAX_S, self.backoff_factor * 2 ** cut_off))
             except requests.RequestException as err:
                 raise ServerError(f"{url}: no answer within the retry budget: {err}") from err
         if 400 <= response.status_code < 500:

@@ -40,7 +40,7 @@ def status_json(run_dir: Path) -> dict:
 
 def test_status_of_a_run_under_sbatch_with_nothing_activated(slurm_cluster, tiny_run, tmp_path):
     tiny_run.overrides += ["trainer.max_steps=500", "trainer.max_retries=2", "trainer.request_timeout=10",
-                           "trainer.server_wait_timeout=60"]  # how long the trainer waits for a lost server to return
+                           "trainer.server_wait_timeout=20"]  # how long the trainer waits for a lost server to return
     submitted = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/submit-%j.out", "slurm/grpo.slurm", RECIPE,
                                 *tiny_run.set_args], cwd=REPO, env=bare_env(), capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr

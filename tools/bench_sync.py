@@ -569,8 +569,15 @@ def zero3_worker(path: Path, work: Path, repeats: int, out: Path, url: str) -> N
     mine["send.peak_extra_fraction"].append(peak_extra_rss(lambda: sender.send(engine, repeats, target)) / model_bytes)
     sender.close()
     ranks = gather_object([dict(mine)])
-    if not accelerator.is_main_process:
-        return
+    if accelerator.is_main_process:
+        out.write_text(json.dumps(zero3_summary(ranks, model_bytes)))
+    # every rank, once nothing more is sent: a rank that exited with gloo's threads still running was seen to abort
+    # ("terminate called without an active exception") while the other was still writing
+    torch.distributed.destroy_process_group()
+
+
+def zero3_summary(ranks: list[dict], model_bytes: int) -> dict:
+    """The figures of `zero3_worker` from each rank's measurements (rank 0's wall times)."""
     figures: dict = {"sync.zero3.ranks": len(ranks), "sync.zero3.model_bytes": model_bytes}
     for name in BUCKETS:
         by_rank = [statistics.median(r[f"{name}.peak_extra_fraction"]) for r in ranks]
@@ -584,7 +591,7 @@ def zero3_worker(path: Path, work: Path, repeats: int, out: Path, url: str) -> N
     two, one = (statistics.median(ranks[0][f"writers_{n}_s"]) for n in (2, 1))
     figures.update({"sync.zero3.two_writers_s": two, "sync.zero3.one_writer_s": one, "sync.zero3.writers_ratio": two / one,
                     "sync.zero3.writers_target": WRITERS_TARGET, "sync.zero3.writers_met": two / one <= WRITERS_TARGET})
-    out.write_text(json.dumps(figures))
+    return figures
 
 
 def summarize(runs: dict[str, list[dict]], checksums: dict[str, float], dump_bytes: int, setup: Setup) -> dict:

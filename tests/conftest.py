@@ -145,7 +145,7 @@ def tiny_run(tmp_path, tiny_model):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """How `make test` (`pytest -n 2 --dist loadgroup`) spreads the tests over its two pytest-xdist workers: the
+    """How `make test` (`pytest -n 3 --dist loadgroup`) spreads the tests over its pytest-xdist workers: the
     tests on the local SLURM cluster one after the other on one worker (they share the cluster's one node and check
     its queue, and starting it twice at once would race), every other module's tests together (its module fixtures,
     servers mostly, start once). It runs before xdist's hook, which writes the groups into the test ids

@@ -12,7 +12,7 @@ built-in server with a 400 naming the field: `test_unsupported_sglang_fields_are
 
 import json
 import random
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -420,12 +420,25 @@ def test_update_weights_abort_all_requests(protocol_server, tiny_model):
     without it the reload waits for them (here a shorter one: SGLang decodes ~15-400 tokens/s on these shared cores).
     SGLang 0.5.23 may answer the aborting reload 400 "Weights were updated, but the cache was not flushed because
     requests are still running" (the aborted request is still in its batch when it flushes; seen in 2 of 4 tries), the
-    weights loaded all the same: that answer counts as done here, then the cache is flushed."""
+    weights loaded all the same: that answer counts as done here, then the cache is flushed. The generation is streamed
+    so that its first chunk says it is under way (a fixed second was not enough: the built-in server once decoded all
+    1,500 tokens before the reload came)."""
     for abort, max_new in ((True, 1500), (False, 200)):
-        body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
+                "stream": True}
+        under_way = threading.Event()
+
+        def generate() -> dict:
+            with requests.post(protocol_server.url + "/generate", json=body, timeout=300, stream=True) as response:
+                for line in response.iter_lines():
+                    if line.startswith(b"data: ") and line[6:] != b"[DONE]":
+                        last = json.loads(line[6:])  # cumulative: the last chunk is the whole answer
+                        under_way.set()
+            return last
+
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(lambda: requests.post(protocol_server.url + "/generate", json=body, timeout=300).json())
-            time.sleep(1.0)  # the long generation is under way
+            running = pool.submit(generate)
+            assert under_way.wait(timeout=120), running.result() if running.done() else "no first chunk in 120 s"
             answer = update_weights(protocol_server, str(tiny_model), abort_all_requests=abort)
             out = running.result()
         raced = protocol_server.engine == "sglang" and abort and "cache was not flushed" in answer["message"]

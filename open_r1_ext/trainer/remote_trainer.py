@@ -16,6 +16,7 @@ import contextlib
 import gc
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -76,13 +77,20 @@ class LossForward:
     reference: Optional[torch.Tensor] = None
 
 
+LEAVE_TIMEOUT_S = 10.0
+
+
 def leave_process_group() -> None:
     """At exit, end this process's part of the process group (what accelerate's `end_training` does, which neither
     transformers' Trainer nor TRL calls): a gloo rank of torch 2.13 that exits with it still up while another rank runs
     on aborts ("terminate called without an active exception", exit -6): 5 exits in 8 of a bare 2-rank script, and a
-    trainer rank in the test suite. Local to the rank: no collective, so a rank that exits on an error cannot hang."""
+    trainer rank in the test suite. The group finishes the work queued in it first; a rank that exits on an error with
+    a collective still queued (its peer elsewhere) would wait for it, so the wait is bounded (`LEAVE_TIMEOUT_S`), after
+    which the process exits as it did before."""
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        leaving = threading.Thread(target=torch.distributed.destroy_process_group, name="leave-process-group", daemon=True)
+        leaving.start()
+        leaving.join(LEAVE_TIMEOUT_S)
 
 
 class RemoteGRPOTrainer(GRPOTrainer):

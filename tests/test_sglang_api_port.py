@@ -37,9 +37,13 @@ def post(server, body, route="/generate", **kwargs):
     return r
 
 
+def stream_chunks(response):
+    """SGLang's tests read a stream this way: every `data: ` line but `[DONE]`, as it comes."""
+    return (json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ") and line[6:] != b"[DONE]")
+
+
 def stream_json(response) -> list:
-    """SGLang's tests read a stream this way: every `data: ` line but `[DONE]`."""
-    return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: ") and line[6:] != b"[DONE]"]
+    return list(stream_chunks(response))
 
 
 # ------------------------------------------------------------------------------------- test_srt_endpoint.py
@@ -430,10 +434,8 @@ def test_update_weights_abort_all_requests(protocol_server, tiny_model):
 
         def generate() -> dict:
             with requests.post(protocol_server.url + "/generate", json=body, timeout=300, stream=True) as response:
-                for line in response.iter_lines():
-                    if line.startswith(b"data: ") and line[6:] != b"[DONE]":
-                        last = json.loads(line[6:])  # cumulative: the last chunk is the whole answer
-                        under_way.set()
+                for last in stream_chunks(response):  # cumulative: the last chunk is the whole answer
+                    under_way.set()
             return last
 
         with ThreadPoolExecutor(1) as pool:

@@ -274,7 +274,9 @@ def test_api_key_is_compared_in_constant_time(monkeypatch):
     assert status(b"Bearer sekreT") == 401
     assert status(None) == 401
     assert status(b"Bearer sekret") == 404  # past the key check; this app has no slots
-    assert compared and all(b == b"Bearer sekret" for _, b in compared)
+    assert status(b"bearer sekret") == 404  # the scheme in any case, as SGLang (RFC 7235)
+    assert status(b"Basic sekret") == 401
+    assert compared and all(b == b"sekret" for _, b in compared)
 
 
 def test_weight_updates_only_from_allowed_dirs(limited, tiny_model, other_tiny_model, allowed_dir, tmp_path):

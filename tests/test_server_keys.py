@@ -53,6 +53,9 @@ def test_a_server_started_with_the_run_key_file_wants_the_key(keyed):
                                     ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 1})):
             r = requests.request(method, f"{server.url}{route}", json=body, headers=headers, timeout=30)
             assert (r.status_code, r.json()) == (401, {"error": "Unauthorized"}), (route, wrong)
+    for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme in any case (RFC 7235), as SGLang reads it
+        r = requests.get(f"{server.url}/model_info", headers={"Authorization": f"{scheme} {key}"}, timeout=30)
+        assert r.status_code == 200, scheme
     client = SGLangClient(server.url, api_key=key)
     assert len(client.ref_logprobs([[1, 2, 3]])[0]) == 2
     assert client.generate([[1, 2]], {"max_new_tokens": 2, "ignore_eos": True})[0][0].finish_reason == "length"

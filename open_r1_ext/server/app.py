@@ -166,19 +166,21 @@ def create_app(slots: dict[str, tuple[ModelEngine, Batcher]], api_key: Optional[
                                        text_only, incremental_streaming, weight_update_timeout), prefix=prefix)
 
     if api_key or admin_api_key:  # only then: the middleware costs every request a little
-        normal = f"Bearer {api_key}".encode() if api_key else None
-        admin = f"Bearer {admin_api_key}".encode() if admin_api_key else None
+        normal = api_key.encode() if api_key else None
+        admin = admin_api_key.encode() if admin_api_key else None
         admin_routes = {f"{prefix}{route}" for prefix in slots for route in ADMIN_ROUTES}
 
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
             """As SGLang (`utils/auth.py`): /health* open; with an admin key the admin routes take only it; every
-            other route takes the API key, when there is one."""
+            other route takes the API key, when there is one, as `Bearer KEY` (the scheme in any case, RFC 7235)."""
             path = request.url.path
             if not path.rsplit("/", 1)[-1].startswith("health"):
                 expected = admin if admin is not None and path in admin_routes else normal
-                given = request.headers.get("Authorization", "").encode("latin-1")  # how the header was decoded
-                if expected is not None and not hmac.compare_digest(given, expected):  # constant time: no timing hints
+                scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+                given_key = given.encode("latin-1")  # how the header was decoded
+                if expected is not None and not (hmac.compare_digest(given_key, expected)  # constant time
+                                                 and scheme.lower() == "bearer"):
                     return JSONResponse(status_code=401, content={"error": "Unauthorized"})
             return await call_next(request)
 

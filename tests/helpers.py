@@ -149,6 +149,13 @@ def restore_default_weights(url: str, model: Path, **keys: str) -> None:
     assert client.update_weights_from_disk(str(model), weight_version=DEFAULT_WEIGHT_VERSION)["success"]
 
 
+def unload_adapters(url: str) -> None:
+    """Unload every LoRA adapter the server at `url` lists in `/v1/models` (after the model, as both servers list)."""
+    client = SGLangClient(url)
+    for card in client.get_json("/v1/models")["data"][1:]:
+        client.unload_lora_adapter(card["id"])
+
+
 def server_like(server: LocalServer, port: Optional[int] = None, log_path: Optional[Path] = None) -> LocalServer:
     """Another server of `server`'s kind (a built-in server or SGLang, with its interpreter and flags) on the same
     model, on `port` (default: a free one), logging to `log_path`; not started."""

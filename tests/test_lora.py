@@ -20,7 +20,7 @@ from open_r1_ext.protocol import sampling_params
 from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
 from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE, WeightSync
 from open_r1_ext.weight_files import MANIFEST, check_manifest, read_weight_dir
-from tests.helpers import reward_len, tiny_config, tiny_dataset
+from tests.helpers import reward_len, tiny_config, tiny_dataset, unload_adapters
 from tests.test_zero3 import launch
 
 
@@ -41,24 +41,32 @@ PROMPT = [1, 5, 9, 20, 3, 7, 11]
 
 
 @pytest.fixture(scope="module")
-def lora_server(tiny_model, tmp_path_factory):
+def lora_built_in(tiny_model, tmp_path_factory):
     """One built-in server for generation (adapters) and the reference (its base model): no `/ref` slot."""
     log = tmp_path_factory.mktemp("lora-server") / "server.log"
     with BuiltinServer(str(tiny_model), log_path=str(log), extra_args=("--no-ref-slot", *LORA_FLAGS)) as server:
         yield server
 
 
+@pytest.fixture()
+def lora_server(lora_built_in):
+    """The module's server, without the adapters a test loaded, afterwards (a run keeps its newest ones loaded)."""
+    yield lora_built_in
+    unload_adapters(lora_built_in.url)
+
+
 class ServerMatchesPolicy(TrainerCallback):
     """After each step's sync (it runs after `WeightSyncCallback`): the server's sampling log-probs with the step's
     adapter equal the trainer's policy (LoRA applied: the merged weights), its reference log-probs the base model's
-    (the adapter disabled), and the previous adapter is unloaded. Records the largest differences.
+    (the adapter disabled), and the previous adapter is unloaded: `/v1/models` lists the step's adapter alone (both
+    servers). Records the largest differences.
 
-    `listed`: the server lists its loaded adapters in `/v1/models` (SGLang), where the unload is checked; otherwise a
-    request naming the previous adapter must be refused. (SGLang would load an unloaded adapter again from its path
-    for such a request: `tokenizer_manager.py` `_resolve_lora_path`; the trainer never names one.)"""
+    `sglang`: on the built-in server a request naming the previous adapter must also be refused; SGLang would load an
+    unloaded adapter again from its path for such a request (`tokenizer_manager.py` `_resolve_lora_path`; the trainer
+    never names one)."""
 
-    def __init__(self, trainer, url: str, listed: bool = False):
-        self.trainer, self.client, self.listed = trainer, SGLangClient(url), listed
+    def __init__(self, trainer, url: str, sglang: bool = False):
+        self.trainer, self.client, self.sglang = trainer, SGLangClient(url), sglang
         self.policy_diff, self.reference_diff, self.adapter_effect, self.checked = 0.0, 0.0, 0.0, []
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -74,10 +82,9 @@ class ServerMatchesPolicy(TrainerCallback):
         self.adapter_effect = max(self.adapter_effect, (policy - base[len(PROMPT) - 1:]).abs().max().item())
         reference = self.client.ref_logprobs([ids[0].tolist()])[0]
         self.reference_diff = max(self.reference_diff, (base[:, 0] - reference).abs().max().item())
-        if self.listed:
-            loaded = [card["id"] for card in self.client.get_json("/v1/models")["data"][1:]]  # after the base model
-            assert loaded == [name], loaded
-        elif state.global_step > 1:
+        loaded = [card["id"] for card in self.client.get_json("/v1/models")["data"][1:]]  # after the base model
+        assert loaded == [name], loaded
+        if not self.sglang and state.global_step > 1:
             with pytest.raises(ServerRequestError, match=f"policy-v{state.global_step - 1}"):
                 self.client.generate([PROMPT], sampling_params(2), lora_path=f"policy-v{state.global_step - 1}")
         self.checked.append(state.global_step)

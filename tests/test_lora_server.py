@@ -207,6 +207,9 @@ def test_versioned_names_load_the_next_then_unload_the_previous(lora_server, wei
         lora_server.load_lora_adapter("policy-v1", str(weights / "step-2"))
     assert lora_server.load_lora_adapter("policy-v2", str(weights / "step-2"))["loaded_adapters"] == {
         "policy-v1": str(weights / "step-1"), "policy-v2": str(weights / "step-2")}
+    base, *adapters = lora_server.get_json("/v1/models")["data"]  # listed after the model, as SGLang lists them
+    assert [(card["id"], card["root"], card["parent"]) for card in adapters] == [
+        ("policy-v1", str(weights / "step-1"), base["id"]), ("policy-v2", str(weights / "step-2"), base["id"])]
     assert close(score(lora_server, PROMPTS[:1], "policy-v2")[0], logprobs_of(models["step-2"], PROMPTS[0]))
     assert lora_server.unload_lora_adapter("policy-v1")["loaded_adapters"] == {"policy-v2": str(weights / "step-2")}
     with pytest.raises(ServerRequestError, match="'policy-v1' was unloaded") as err:

@@ -32,7 +32,7 @@ from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE
 from open_r1_ext.weight_files import MANIFEST
 from tests.helpers import (KillServerAt, forward_logprobs, read_jsonl, restore_default_weights, reward_len, served,
-                           synced, tiny_config, tiny_dataset)
+                           synced, tiny_config, tiny_dataset, unload_adapters)
 from tests.test_lora import LORA_FLAGS, ServerMatchesPolicy, lora_trainer
 
 
@@ -162,9 +162,7 @@ def pair(sglang_pair, tiny_model):
     for server in sglang_pair.values():
         if server.process is not None and server.process.poll() is None:
             restore_default_weights(server.url, tiny_model)
-            client = SGLangClient(server.url)
-            for card in client.get_json("/v1/models")["data"][1:]:  # the loaded adapters, after the base model
-                client.unload_lora_adapter(card["id"])
+            unload_adapters(server.url)
 
 
 def assert_serves(url: str, model, version: str) -> list[torch.Tensor]:
@@ -279,7 +277,7 @@ def test_adapter_only_lora_sync(pair, tiny_model, tmp_path):
     b = pair["b"]
     trainer = lora_trainer(tiny_model, tmp_path, b.url, max_steps=3)
     assert trainer.weight_sync.adapter_only and trainer.ref_model.client.base_url == b.url
-    check = ServerMatchesPolicy(trainer, b.url, listed=True)
+    check = ServerMatchesPolicy(trainer, b.url, sglang=True)
     trainer.add_callback(check)
     trainer.train()
     assert check.checked == [1, 2, 3] and check.policy_diff <= ATOL and check.reference_diff <= ATOL

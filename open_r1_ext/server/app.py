@@ -627,7 +627,10 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [card]}
+        """The model, then the LoRA adapters loaded, as SGLang lists them (`http_server.py` `available_models`)."""
+        adapters = [{"id": name, "object": "model", "created": started, "owned_by": "open_r1_ext", "root": path,
+                     "parent": engine.model_path, "max_model_len": None} for name, (_, path) in loras.items()]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> JSONResponse:

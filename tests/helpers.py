@@ -149,11 +149,16 @@ def restore_default_weights(url: str, model: Path, **keys: str) -> None:
     assert client.update_weights_from_disk(str(model), weight_version=DEFAULT_WEIGHT_VERSION)["success"]
 
 
+def loaded_adapters(client: SGLangClient) -> list[str]:
+    """The names of the LoRA adapters the server lists in `/v1/models` (after the model, as both servers list)."""
+    return [card["id"] for card in client.get_json("/v1/models")["data"][1:]]
+
+
 def unload_adapters(url: str) -> None:
-    """Unload every LoRA adapter the server at `url` lists in `/v1/models` (after the model, as both servers list)."""
+    """Unload every LoRA adapter the server at `url` holds."""
     client = SGLangClient(url)
-    for card in client.get_json("/v1/models")["data"][1:]:
-        client.unload_lora_adapter(card["id"])
+    for name in loaded_adapters(client):
+        client.unload_lora_adapter(name)
 
 
 def server_like(server: LocalServer, port: Optional[int] = None, log_path: Optional[Path] = None) -> LocalServer:

@@ -20,7 +20,7 @@ from open_r1_ext.protocol import sampling_params
 from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
 from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE, WeightSync
 from open_r1_ext.weight_files import MANIFEST, check_manifest, read_weight_dir
-from tests.helpers import reward_len, tiny_config, tiny_dataset, unload_adapters
+from tests.helpers import loaded_adapters, reward_len, tiny_config, tiny_dataset, unload_adapters
 from tests.test_zero3 import launch
 
 
@@ -82,7 +82,7 @@ class ServerMatchesPolicy(TrainerCallback):
         self.adapter_effect = max(self.adapter_effect, (policy - base[len(PROMPT) - 1:]).abs().max().item())
         reference = self.client.ref_logprobs([ids[0].tolist()])[0]
         self.reference_diff = max(self.reference_diff, (base[:, 0] - reference).abs().max().item())
-        loaded = [card["id"] for card in self.client.get_json("/v1/models")["data"][1:]]  # after the base model
+        loaded = loaded_adapters(self.client)
         assert loaded == [name], loaded
         if not self.sglang and state.global_step > 1:
             with pytest.raises(ServerRequestError, match=f"policy-v{state.global_step - 1}"):

@@ -47,19 +47,34 @@ def test_sbatch_options_come_from_the_recipe(tiny_model):
     assert params["slurm_additional_parameters"] == {"reservation": "r1", "requeue": True}
 
 
+def test_submitits_own_srun_gives_the_task_the_jobs_cpus(tiny_model, tmp_path):
+    """The sbatch script submitit writes for a job: its srun asks for the job's CPUs again (Slurm 22.05-23.02's srun
+    does not inherit --cpus-per-task from sbatch: the task would get one CPU)."""
+    import submitit
+
+    plan = tiny_plan(tiny_model, "slurm.trainer={gpus_per_node: 4, processes_per_node: 1, cpus_per_task: 8}")
+    executor = submitit.AutoExecutor(folder=tmp_path, cluster="slurm")
+    executor.update_parameters(**plan.submitit_parameters("trainer"))
+    script = executor._executor._make_submission_file_text("python -m task", "uid")  # what submitit sbatches
+    assert "#SBATCH --cpus-per-task=8" in script and "#SBATCH --gres=gpu:4" in script
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert " --cpus-per-task=8 " in srun, script
+
+
 def test_sglang_servers_span_nodes_and_the_trainer_gets_both_address_dirs(tiny_model):
     sglang = "engine: sglang, tp_size: 16, mem_fraction_static: 0.8, dtype: float32, resources: {nodes: 2, gpus_per_node: 8}"
     plan = tiny_plan(tiny_model, f"servers.generation={{{sglang}}}", f"servers.reference={{{sglang}, extra_args: [--enable-metrics]}}",
-                     "slurm.trainer={nodes: 2, gpus_per_node: 8}", "trainer.per_device_train_batch_size=4")
+                     "slurm.trainer={nodes: 2, gpus_per_node: 8}", "trainer.per_device_train_batch_size=4",
+                     "model.trust_remote_code=true")
     assert plan.server_roles == ["server", "ref-server"]
     node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")
     serve = shell_join(plan.server_command("ref-server", node, head))
     assert serve.endswith("-m sglang.launch_server --model-path " + str(tiny_model) + " --host 0.0.0.0 --port 30001 "
-                          "--tp-size 16 --dp-size 1 --dtype float32 --mem-fraction-static 0.8 --nnodes 2 --node-rank \"$SLURM_NODEID\" "
+                          "--tp-size 16 --dp-size 1 --dtype float32 --mem-fraction-static 0.8 --trust-remote-code --nnodes 2 --node-rank \"$SLURM_NODEID\" "
                           f"--dist-init-addr \"$HEAD_NODE\":30101 --config {plan.files.run_dir}/api_key.yaml --enable-metrics")
-    train = plan.trainer_command(1, "node-7")
+    train = plan.trainer_command(1, "node-7", 41234)
     assert train[3:16] == ["--multi_gpu", "--dynamo_backend", "no", "--num_machines", 2, "--num_processes", 16,
-                           "--machine_rank", 1, "--main_process_ip", "node-7", "--main_process_port", 29500]
+                           "--machine_rank", 1, "--main_process_ip", "node-7", "--main_process_port", 41234]
     run_dir = plan.files.run_dir
     assert train[-4:] == ["--server-dir", f"{run_dir}/replicas/server", "--ref-dir", f"{run_dir}/replicas/ref-server"]
 
@@ -98,8 +113,9 @@ def test_each_node_runs_its_own_command_from_the_slurm_environment(tiny_model):
     serve = node_command(plan, "ref-server", ctx)
     assert serve[serve.index("--node-rank") + 1] == "1" and serve[serve.index("--dist-init-addr") + 1] == "gpu3:30101"
     assert serve[serve.index("--config") + 1] == "/runs/with space/api_key.yaml" and "it's $ecret" not in serve
-    train = node_command(plan, "trainer", ctx)
+    train = node_command(plan, "trainer", ctx, port=41234)
     assert train[train.index("--machine_rank") + 1] == "1" and train[train.index("--main_process_ip") + 1] == "gpu3"
+    assert train[train.index("--main_process_port") + 1] == "41234"  # the port the job took on its first node
     assert train[-4:] == ["--server-dir", "/runs/with space/replicas/server", "--ref-dir", "/runs/with space/replicas/ref-server"]
     assert plan.sbatch_args("server")[-2] == "--error=/runs/with space/logs/server-%j.err"
 

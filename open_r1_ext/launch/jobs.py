@@ -330,10 +330,46 @@ def wait_for_replicas(plan: SlurmPlan, watch: JobWatch, echo: Echo = log) -> dic
 def node_command(plan: SlurmPlan, role: str, ctx: JobContext, index: int = 0,
                  port: Optional[int] = None) -> list[str]:
     """What one node of the job runs: the server (of resources entry `index`, on `port`), or `accelerate launch`
-    of the trainer."""
+    of the trainer (`port`: its rendezvous port on the first node)."""
     if role == TRAINER:
-        return argv(plan.trainer_command(ctx.node_rank, ctx.head_node))
+        if port is None:
+            raise LaunchError("the trainer's node command needs the rendezvous port the job took (--port)")
+        return argv(plan.trainer_command(ctx.node_rank, ctx.head_node, port))
     return argv(plan.server_command(role, ctx.node_rank, ctx.head_node, index, port))
+
+
+def log_resources(role: str) -> None:
+    """One line, at the start of each node's task of a job, of what SLURM gave it: the GPUs (`CUDA_VISIBLE_DEVICES`,
+    set by SLURM for `--gres=gpu:N`) and the CPUs (`SLURM_CPUS_PER_TASK`; else, and in brackets, how many this
+    process may run on). What to check first when a server does not fit its GPUs or a trainer runs slowly."""
+    runnable = len(os.sched_getaffinity(0))
+    log(f"{role} on {os.environ.get('SLURMD_NODENAME', socket.gethostname())}: resources: CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')} cpus={os.environ.get('SLURM_CPUS_PER_TASK', runnable)} "
+        f"(runnable on {runnable})")
+
+
+def rendezvous_port(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
+    """accelerate's rendezvous port of the trainer job: one free on its first node, chosen there (a fixed port would
+    collide with another run's trainer on that node). Under sbatch the batch step, on the first node, passes it to
+    each node's task (`jobs node --port`); under submitit the first node's task writes it to the run directory, where
+    the tasks of the other nodes wait for it."""
+    path = plan.files.run_dir / f".rendezvous-{ctx.job_id}.{ctx.restart_count}.port"
+    if ctx.node_rank == 0:
+        port = free_port("0.0.0.0")
+        if ctx.launcher == SUBMITIT and len(ctx.nodes) > 1:
+            _write_atomic(path, f"{port}\n")
+        return port
+    start, next_progress = time.monotonic(), POLL_S
+    while not path.is_file():
+        elapsed = time.monotonic() - start
+        if elapsed > plan.server_wait_s:
+            raise LaunchError(f"trainer job {ctx.job_id}, node {ctx.node_rank}: no rendezvous port from the first node "
+                              f"({ctx.head_node}) in {path} after {plan.server_wait_s:.0f} s (trainer.server_wait_timeout)")
+        if elapsed >= next_progress:
+            echo(f"waiting for the rendezvous port of the first node ({ctx.head_node}) in {path} ({elapsed:.0f} s)")
+            next_progress += POLL_S
+        time.sleep(1.0)
+    return int(path.read_text())
 
 
 def job_args(plan: SlurmPlan) -> list[str]:
@@ -346,10 +382,11 @@ def start_on_nodes(plan: SlurmPlan, role: str, ctx: JobContext, index: int = 0,
     """The job's command on its nodes: from sbatch's batch step, one srun task a node (`jobs node`, which computes
     the node's command from its rank); under submitit, which runs the task on every node, this node's command."""
     if ctx.launcher == SBATCH:
-        server_args = [] if role == TRAINER else ["--resources-index", str(index),
-                                                  "--port", str(port or plan.port(role))]
+        port_args = ["--port", str(port)] if role == TRAINER else ["--resources-index", str(index),
+                                                                   "--port", str(port or plan.port(role))]
         return _spawn(["srun", *plan.srun_args(role, index), sys.executable, "-m", "open_r1_ext.launch.jobs", "node",
-                       role, *job_args(plan), *server_args])
+                       role, *job_args(plan), *port_args])
+    log_resources(role)
     return _spawn(node_command(plan, role, ctx, index, port))
 
 
@@ -527,7 +564,7 @@ def run_trainer_job(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
         for role, replicas in wait_for_replicas(plan, watch, echo).items():
             for job_id, url in replicas.items() if lead else ():
                 record(files, f"{me}: {role} job {job_id} is up at {url}", echo)
-        process = start_on_nodes(plan, TRAINER, ctx)
+        process = start_on_nodes(plan, TRAINER, ctx, port=rendezvous_port(plan, ctx, echo))
         code = process.wait()
     except KeyboardInterrupt:
         code = SIGTERM_EXIT
@@ -690,7 +727,8 @@ def main(cli_args: Optional[list[str]] = None) -> int:
             job.add_argument("--resources-index", type=int, default=0,
                              help="the entry of the spec's resources list this server job has (default 0)")
         if name == "node":
-            job.add_argument("--port", type=int, default=None, help="the port the server job took on its first node")
+            job.add_argument("--port", type=int, default=None, help="the port the server job took on its first node, or "
+                                                                    "the trainer job's rendezvous port there")
     args = parser.parse_args(cli_args)
     try:
         plan = SlurmPlan(load_recipe(args.recipe, args.set), args.set)
@@ -702,6 +740,7 @@ def main(cli_args: Optional[list[str]] = None) -> int:
         if args.job == "trainer":
             return run_trainer_job(plan, ctx)
         cmd = node_command(plan, args.role, ctx, args.resources_index, args.port)
+        log_resources(args.role)
         os.execvp(cmd[0], cmd)  # this node's server or trainer replaces the entry: srun signals it directly
     except RecipeError as err:
         log(f"{err}\nnothing started")

@@ -20,7 +20,6 @@ from open_r1_ext.launch.run_key import key_file
 
 SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
 SERVER_ROLES = {SERVER: "generation", REF_SERVER: "reference"}  # a server job's role in the recipe's `servers:`
-MAIN_PROCESS_PORT = 29500  # accelerate's rendezvous port on the trainer's first node
 DIST_INIT_PORT_OFFSET = 100  # SGLang's multi-node rendezvous: server port + this, on the server's first node
 POLL_S = 10  # seconds between progress lines of every wait, and the longest interval between squeue calls
 SBATCH, SUBMITIT = "sbatch", "submitit"  # the two launchers; each names its jobs' log files its own way
@@ -211,7 +210,8 @@ class SlurmPlan:
         return args + logs + ["--open-mode=append"]  # appended to, so a requeued job keeps the log of its earlier starts
 
     def srun_args(self, role: str, index: int = 0) -> list[str]:
-        """One task per node, with the job's CPUs and GPUs (srun does not inherit --cpus-per-task)."""
+        """One task per node, with the job's CPUs and GPUs (Slurm 22.05-23.02's srun does not inherit
+        --cpus-per-task from sbatch)."""
         job = self.resources(role, index)
         args = [f"--nodes={job.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
         args += [f"--cpus-per-task={job.cpus_per_task}"] if job.cpus_per_task else []
@@ -225,8 +225,8 @@ class SlurmPlan:
                     "constraint": slurm.constraint, "mem": job.mem, "exclusive": slurm.exclusive or None,
                     "gres": f"gpu:{job.gpus_per_node}" if job.gpus_per_node > 0 else None}
         params.update({f"slurm_{key}": value for key, value in specific.items() if value is not None})
-        if job.cpus_per_task:
-            params["cpus_per_task"] = job.cpus_per_task
+        if job.cpus_per_task:  # and to submitit's own srun, which does not inherit it (Slurm 22.05-23.02)
+            params.update(cpus_per_task=job.cpus_per_task, slurm_srun_args=[f"--cpus-per-task={job.cpus_per_task}"])
         if job.gpus_per_node > 0:
             params["local_gpus_per_node"] = job.gpus_per_node
         if self.extra_sbatch:
@@ -241,9 +241,11 @@ class SlurmPlan:
         return server_command(self.recipe, SERVER_ROLES[role], port or self.port(role), nodes=self.resources(role, index).nodes,
                               node_rank=node_rank, head=head)
 
-    def trainer_command(self, node_rank: Union[int, ShellVar], main_addr: Union[str, ShellVar]) -> list[Word]:
+    def trainer_command(self, node_rank: Union[int, ShellVar], main_addr: Union[str, ShellVar],
+                        main_port: Union[int, ShellVar]) -> list[Word]:
         """`accelerate launch` of `open_r1_ext.train` on one node, its servers the replicas advertised in the address
-        directories of the roles this run starts (`--server-dir`, `--ref-dir`)."""
+        directories of the roles this run starts (`--server-dir`, `--ref-dir`); `main_port` is the rendezvous port
+        the job took on its first node (`main_addr`)."""
         recipe, job = self.recipe, self.recipe.slurm.trainer
         cmd: list[Word] = [sys.executable, "-m", "accelerate.commands.launch"]
         if recipe.accelerate_config:
@@ -252,7 +254,7 @@ class SlurmPlan:
             cmd += ["--cpu"] if job.gpus_per_node == 0 else ["--multi_gpu"] if job.num_processes > 1 else []
             cmd += ["--dynamo_backend", "no"]
         cmd += ["--num_machines", job.nodes, "--num_processes", job.num_processes, "--machine_rank", node_rank,
-                "--main_process_ip", main_addr, "--main_process_port", MAIN_PROCESS_PORT]
+                "--main_process_ip", main_addr, "--main_process_port", main_port]
         cmd += ["-m", "open_r1_ext.train", *self.recipe_args()]
         for role, flag in ((SERVER, "--server-dir"), (REF_SERVER, "--ref-dir")):
             if role in self.server_roles:
@@ -277,12 +279,12 @@ class SlurmPlan:
     def describe(self) -> str:
         """What a launch would submit, for humans (`--dry-run`): every job, each replica's server job too."""
         lines = [f"run directory {self.files.run_dir}: logs in {self.files.logs}/, status in {self.files.status}"]
-        node, head = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE")  # what only the job knows
+        node, head, port = ShellVar("SLURM_NODEID"), ShellVar("HEAD_NODE"), ShellVar("MAIN_PORT")  # what only the job knows
         for role in self.roles:
             for title, index in self.jobs_of(role):
                 job = self.resources(role, index)
                 if role == TRAINER:
-                    what, command = f"{job.num_processes} process(es)", self.trainer_command(node, head)
+                    what, command = f"{job.num_processes} process(es)", self.trainer_command(node, head, port)
                 else:
                     spec = self.spec(role)
                     what = (f"port {self.port(role)}, advertised in {self.files.replica_addr(role, '<job id>')} once "
@@ -319,6 +321,8 @@ def server_command(recipe: Recipe, role: str, port: int, host: str = "0.0.0.0", 
             cmd += ["--dtype", server.dtype]
         if server.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", server.mem_fraction_static]
+        if recipe.model.trust_remote_code:  # the model's own code, as the trainer loads it
+            cmd.append("--trust-remote-code")
         if nodes > 1:
             cmd += ["--nnodes", nodes, "--node-rank", node_rank,
                     "--dist-init-addr", (head, f":{port + DIST_INIT_PORT_OFFSET}")]

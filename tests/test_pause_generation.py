@@ -21,6 +21,7 @@ from open_r1_ext.sglang_client import SGLangClient
 from tests.helpers import reward_len, tiny_config, tiny_dataset
 
 NEW_TOKENS = 300
+ABORTED_TOKENS = 1500  # what the abort test asks for
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -29,8 +30,8 @@ class Streams:
     """Long generations streamed on threads (`ignore_eos`, temperature 1, log-probs), their token counts followed so
     that a pause lands mid-sequence; `.finals` are the last chunks (with `meta_info.weight_versions`)."""
 
-    def __init__(self, url: str, prompts: list[list[int]]):
-        self.counts, self.finals = [0] * len(prompts), [None] * len(prompts)
+    def __init__(self, url: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+        self.counts, self.finals, self.new_tokens = [0] * len(prompts), [None] * len(prompts), new_tokens
         self.threads = [threading.Thread(target=self._run, args=(url, prompt, i))
                         for i, prompt in enumerate(prompts)]
         for thread in self.threads:
@@ -38,7 +39,7 @@ class Streams:
 
     def _run(self, url, prompt, i):
         body = {"input_ids": prompt, "return_logprob": True, "stream": True,
-                "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": self.new_tokens, "temperature": 1.0, "ignore_eos": True}}
         with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as answer:
             for line in answer.iter_lines():
                 if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
@@ -144,13 +145,14 @@ def test_a_reload_refused_for_requests_under_way_is_sent_again_once_they_end(any
 
 def test_abort_pause_ends_the_requests_under_way_and_holds_new_ones(any_server):
     client = SGLangClient(any_server.url, request_timeout=120)
-    streams = Streams(any_server.url, PROMPTS[:2])
+    # aborted, they end early: 1,500 tokens cost nothing and leave room (SGLang ran all of 300 before the pause once)
+    streams = Streams(any_server.url, PROMPTS[:2], new_tokens=ABORTED_TOKENS)
     streams.wait_for(20)
     assert client.pause_generation("abort") == PAUSED
     finals = streams.join()  # answered by the time the pause is in force
     for final in finals:
         assert final["meta_info"]["finish_reason"]["type"] == "abort"
-        assert 20 <= final["meta_info"]["completion_tokens"] < NEW_TOKENS
+        assert 20 <= final["meta_info"]["completion_tokens"] < ABORTED_TOKENS
     with pytest.raises(requests.Timeout):  # paused: a new request waits
         requests.post(f"{any_server.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
                       timeout=2)

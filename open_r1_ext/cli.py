@@ -2,7 +2,7 @@
 
     open-r1-ext train RECIPE [--set SECTION.KEY=VALUE ...] [--server-url URL ...] [--ref-url URL ...]
                              [--server-dir DIR] [--ref-dir DIR]
-    open-r1-ext validate RECIPE [RECIPE ...]
+    open-r1-ext validate [--preflight] RECIPE [RECIPE ...]
     open-r1-ext new-recipe --from RECIPE --model ORG/NAME OUT
     open-r1-ext serve --model-path DIR [--port P ...]        (the built-in server)
     open-r1-ext launch RECIPE [--set ...] [--executor slurm|local] [--dry-run]
@@ -30,9 +30,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Each recipe as the launchers would take it (schema, values, then the job plan); a problem is a `FILE: key:
-    message` line, never a traceback."""
+    """Each recipe as the launchers would take it (schema, values, then the job plan; with `--preflight`, what the
+    launchers try before they submit: `launch/preflight.py`); a problem is a `FILE: key: message` line, never a
+    traceback."""
     from open_r1_ext.config.recipe import RecipeError, load_recipe
+    from open_r1_ext.launch.preflight import preflight, report
     from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
 
     failed = 0
@@ -53,6 +55,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             failed += 1
             continue
         print(f"{path}: ok ({recipe.servers.describe()}; {recipe.slurm.trainer.num_processes} trainer process(es))")
+        if args.preflight and not report(recipe, preflight(recipe)):
+            failed += 1
     return 1 if failed else 0
 
 
@@ -89,14 +93,20 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    """The recipe, its plan and its preflight (`launch/preflight.py`) before anything is submitted (or printed, with
+    `--dry-run`)."""
     from open_r1_ext.config.recipe import RecipeError, load_recipe
+    from open_r1_ext.launch.preflight import launch_refused
     from open_r1_ext.launch.slurm_plan import PlanError, SlurmPlan
     from open_r1_ext.launch.submitit_launcher import EXECUTORS, describe_launch, launch
 
     try:
         recipe = load_recipe(args.recipe, args.set)
+        plan = SlurmPlan(recipe, args.set)
+        if launch_refused(recipe):
+            return 2
         if args.dry_run:
-            print(describe_launch(SlurmPlan(recipe, args.set)))
+            print(describe_launch(plan))
             return 0
         return launch(recipe, EXECUTORS[args.executor], args.set)
     except RecipeError as err:
@@ -145,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check recipes; exit status 1 if any is invalid")
     validate.add_argument("recipes", nargs="+")
+    validate.add_argument("--preflight", action="store_true",
+                          help="also what the launchers try before they submit: the servers' and the trainer's "
+                               "interpreters, the accelerate config, the HF cache, the disk, an OpenAI server's reloads")
     add_recipe_arguments(validate)
     validate.set_defaults(func=cmd_validate)
 

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Callable, ClassVar, Iterable, Literal, Option
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
+# The SGLang release this protocol follows (setup.cfg's `sglang` extra pins it; the preflight refuses another).
+SGLANG_VERSION = "0.5.23"
 # SGLang's `temperature` below this means greedy decoding.
 GREEDY_TEMPERATURE = 1e-6
 # SGLang's `/get_model_info` reports this `weight_version` until an update sets one.

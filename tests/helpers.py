@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -109,6 +109,21 @@ def http_server(handler) -> Iterator[str]:
         yield f"http://127.0.0.1:{httpd.server_port}"
     finally:
         httpd.shutdown()
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A handler for `http_server` that answers JSON (`answer(status, body)`) and logs nothing."""
+
+    def answer(self, status: int, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
 
 
 def tiny_dataset(n: int = 16) -> Dataset:

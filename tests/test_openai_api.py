@@ -11,7 +11,6 @@ import logging
 import re
 import shutil
 import time
-from http.server import BaseHTTPRequestHandler
 
 import openai
 import pytest
@@ -23,7 +22,7 @@ from open_r1_ext.launch.local_server import BuiltinServer
 from open_r1_ext.openai_client import OpenAICompletionsClient, ServerAbilities
 from open_r1_ext.protocol import completion_from_choice
 from open_r1_ext.sglang_client import ServerError
-from tests.helpers import http_server, reward_len, tiny_config, tiny_dataset
+from tests.helpers import JsonHandler, http_server, reward_len, tiny_config, tiny_dataset
 
 API_KEY = "sk-123456"
 PROMPT = "The capital of France is"
@@ -461,32 +460,22 @@ def test_backend_adapts_to_a_plain_openai_server(text_only, tokenizer, tiny_mode
     assert trainer.state.global_step == 1
 
 
-class FailsOnIds(BaseHTTPRequestHandler):
+class FailsOnIds(JsonHandler):
     """A broken OpenAI-compatible server (as FastChat's: a token-id prompt gets HTTP 500): the text probe answers, and
     every other completion gets the same 500."""
 
     bodies: list = []
 
     def do_GET(self):
-        self._answer(200, {"object": "list", "data": [{"id": "broken", "object": "model"}]})
+        self.answer(200, {"object": "list", "data": [{"id": "broken", "object": "model"}]})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append(body)
         if body["max_tokens"] == 1 and isinstance(body["prompt"][0], str):
-            return self._answer(200, {"choices": [{"index": i, "text": "x", "finish_reason": "length"} for i in range(2)]})
-        self._answer(500, {"error": {"message": "prompt_logprobs: value is not a valid integer"}})
+            return self.answer(200, {"choices": [{"index": i, "text": "x", "finish_reason": "length"} for i in range(2)]})
+        self.answer(500, {"error": {"message": "prompt_logprobs: value is not a valid integer"}})
 
-    def _answer(self, status, body):
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
 
 
 def test_a_deterministic_500_is_retried_a_few_times_and_reported(tokenizer):

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -201,6 +202,12 @@ class ServerSpec(Section):
     def started(self) -> bool:
         """Whether the launchers start this server (no `url` given)."""
         return self.url is None
+
+    def interpreter(self) -> str:
+        """The python that runs this server: `python` (a path made absolute from the launch directory; a bare name is
+        found on the job's PATH), else the launcher's own interpreter."""
+        python = self.python or sys.executable
+        return os.path.abspath(os.path.expanduser(python)) if "/" in python else python
 
 
 def _spec_or_placement(value: Any) -> str:

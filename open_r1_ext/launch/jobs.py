@@ -29,6 +29,7 @@ from open_r1_ext.config.arguments import add_recipe_arguments
 from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, SERVER_ROLES, SUBMITIT, TRAINER,
                                            RunFiles, SlurmPlan, argv, role_var)
 from open_r1_ext.launch.local_server import die_with_parent, free_port
+from open_r1_ext.launch.preflight import launch_refused
 from open_r1_ext.launch.run_key import write_run_key
 from open_r1_ext.server_pool import read_addresses
 from open_r1_ext.sglang_client import SGLangClient
@@ -732,8 +733,8 @@ def main(cli_args: Optional[list[str]] = None) -> int:
     args = parser.parse_args(cli_args)
     try:
         plan = SlurmPlan(load_recipe(args.recipe, args.set), args.set)
-        if args.job == "submit":
-            return submit_run(plan)
+        if args.job == "submit":  # slurm/grpo.slurm: the preflight first, nothing submitted on an error
+            return 2 if launch_refused(plan.recipe) else submit_run(plan)
         ctx = JobContext.from_slurm_env()
         if args.job == "server":
             return run_server_job(plan, args.role, ctx, args.resources_index)

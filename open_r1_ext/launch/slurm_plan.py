@@ -7,7 +7,6 @@ here submits or waits.
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -308,8 +307,7 @@ def server_command(recipe: Recipe, role: str, port: int, host: str = "0.0.0.0", 
     of the job's `nodes` (SGLang's rendezvous); `local_args` go before the spec's `extra_args`, which come last (a
     flag given twice: the last wins). SGLang on the CPU runs under `env SGLANG_USE_CPU_ENGINE=1`."""
     server = recipe.servers.specs()[role]
-    python = server.python or sys.executable  # a path: made absolute here, a bare name: found on the job's PATH
-    python = os.path.abspath(os.path.expanduser(python)) if "/" in python else python
+    python = server.interpreter()  # a path: made absolute here, a bare name: found on the job's PATH
     lora = recipe.model.lora_server_flags() if role == "generation" else []  # model.use_peft: dynamic LoRA
     common = ["--model-path", recipe.model_path(server), "--host", host, "--port", port]
     if server.engine == "sglang":

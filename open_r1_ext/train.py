@@ -21,7 +21,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -36,6 +36,7 @@ from open_r1_ext.sglang_client import ServerError
 logger = logging.getLogger("open_r1_ext.train")
 SERVER_URL_ENV, REF_URL_ENV = "OPEN_R1_EXT_SERVER_URL", "OPEN_R1_EXT_REF_URL"
 URLs = Union[str, list[str], None]  # a server's URL, or several: a pool of replicas
+EMBEDDED_URLS_FILE = "embedded_servers.json"  # in output_dir: the first process's embedded servers, for the others
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -58,6 +59,9 @@ def train_recipe(path: str, overrides: list[str], server_url: URLs = None, ref_u
         return 2
     try:
         trainer = run(recipe, server_url=server_url, ref_url=ref_url, server_dir=server_dir, ref_dir=ref_dir)
+    except RecipeError as err:  # what this machine cannot give the recipe (GPUs for its embedded servers)
+        print(err, file=sys.stderr)
+        return 2
     except ServerError as err:  # a server gone, a failed sync or dump: the story in a few lines, the traceback in a file
         print(f"{err}\n(traceback in {save_traceback(recipe)})", file=sys.stderr, flush=True)
         return 1
@@ -131,33 +135,127 @@ def build_rewards(recipe: Recipe) -> list:
 def servers(recipe: Recipe, server_url: URLs, ref_url: URLs, server_dir: Optional[str] = None,
             ref_dir: Optional[str] = None) -> Iterator[tuple[URLs, URLs]]:
     """`(generation_url, ref_model_url)`: given (one URL, or a list: a pool of replicas), from the environment or
-    recipe, or embedded servers (built-in or SGLang, started at once); None for a role whose replicas advertise
-    themselves in an address directory (`server_dir`, `ref_dir`: `pool_settings`)."""
+    recipe, or embedded servers (built-in or SGLang, started at once, on GPUs of their own: `bind_gpus`); None for a
+    role whose replicas advertise themselves in an address directory (`server_dir`, `ref_dir`: `pool_settings`).
+    Under `accelerate launch` the first process starts the embedded servers and the others use their URLs."""
     given = {"generation": listed(server_url) or listed(os.environ.get(SERVER_URL_ENV)),
              "reference": listed(ref_url) or listed(os.environ.get(REF_URL_ENV))}
     directories = {"generation": server_dir, "reference": ref_dir}
     urls: dict[str, list[str]] = {}
     embedded = []
     specs = recipe.servers.specs()
-    started_here = [role for role, spec in specs.items() if not (given[role] or spec.url or directories[role])]
+    started_here = {role: spec for role, spec in specs.items() if not (given[role] or spec.url or directories[role])}
+    server_gpus = bind_gpus(recipe, started_here)  # before anything asks CUDA what it sees
     threads = cpu_threads_each(len(started_here))
     with contextlib.ExitStack() as stack:
         for role, spec in specs.items():
             urls[role] = given[role] or listed(None if directories[role] else spec.url)
-            if role in started_here:
-                if not embedded:  # the first embedded server: a new key for this run
-                    write_run_key(recipe, Path(recipe.output_dir))
-                embedded.append(embedded_server(recipe, role, spec, threads))
+        if started_here and not first_process():  # the first process of `accelerate launch` starts them
+            urls.update(wait_for_embedded_urls(recipe))
+        elif started_here:
+            write_run_key(recipe, Path(recipe.output_dir))  # a new key for this run's embedded servers
+            embedded_urls(recipe).unlink(missing_ok=True)
+            for role, spec in started_here.items():
+                embedded.append(embedded_server(recipe, role, spec, threads, server_gpus.get(role)))
                 stack.callback(embedded[-1].stop)
                 urls[role] = [embedded[-1].launch().url]
-        for server in embedded:  # each started before any is waited for: their start-ups overlap
-            server.wait_until_healthy()
+            for server in embedded:  # each started before any is waited for: their start-ups overlap
+                server.wait_until_healthy()
+            write_atomic(embedded_urls(recipe), json.dumps({role: urls[role] for role in started_here}))
         generation = urls.get("generation", [])
         if recipe.servers.reference == "generation":  # each generation server's reference (its /ref slot, built-in)
             reference = [recipe.role_urls(url, None)[1] for url in generation]
         else:
             reference = urls.get("reference", [])
         yield one_or_list(generation), one_or_list(reference)
+
+
+def first_process() -> bool:
+    """Whether this is the first process of the run (`RANK` 0 under `accelerate launch`, or the only one)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def embedded_urls(recipe: Recipe) -> Path:
+    """Where the first process writes the URLs of the embedded servers it started, for the other processes."""
+    return Path(recipe.output_dir) / EMBEDDED_URLS_FILE
+
+
+def wait_for_embedded_urls(recipe: Recipe) -> dict[str, list[str]]:
+    """`{role: [URL]}` of the embedded servers the first process started, once it has written them (a file of this
+    launch: written after the launcher started this process), waited for up to `server_wait_timeout`."""
+    import psutil
+
+    from open_r1_ext.wait_progress import WaitProgress
+
+    path, timeout = embedded_urls(recipe), float(recipe.setting("server_wait_timeout"))
+    launched = psutil.Process(os.getppid()).create_time()  # the launcher's start: an older file is an earlier run's
+    with WaitProgress(f"the first process's embedded servers ({path})", timeout) as progress:
+        while not (path.is_file() and path.stat().st_mtime >= launched):
+            if time.monotonic() - progress.start > timeout:
+                raise ServerError(f"no embedded servers from the first process in {path} within {timeout:.0f} s "
+                                  "(trainer.server_wait_timeout): see its output")
+            time.sleep(0.5)
+            progress.update()
+    return json.loads(path.read_text())
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def gpus_asked(spec: ServerSpec) -> int:
+    """The GPUs an embedded server takes on this machine: its resources' `gpus_per_node` (the built-in server uses
+    one device: at most 1), none with `device: cpu`."""
+    asked = 0 if spec.device == "cpu" else spec.replica_resources(0).gpus_per_node
+    return min(asked, 1) if spec.engine == "builtin" else asked
+
+
+def split_gpus(visible: Sequence[str], asked: Mapping[str, int], trainer_processes: int = 1) -> tuple[list[str], dict[str, list[str]]]:
+    """`(the trainer's GPUs, {role: its server's GPUs})` of the GPUs `visible` on this machine: each server takes the
+    number `asked` from the end, the trainer keeps the rest (the first, where its processes run). ValueError when
+    fewer than `trainer_processes` would be left."""
+    kept = len(visible) - sum(asked.values())
+    if kept < trainer_processes:
+        wanted = ", ".join(f"{n} for the {role} server" for role, n in asked.items() if n)
+        raise ValueError(f"{len(visible)} GPU(s) visible here ({','.join(visible) or 'none'}): {wanted} leave "
+                         f"{max(kept, 0)} for the trainer's {trainer_processes} process(es)")
+    servers, start = {}, kept
+    for role, n in asked.items():
+        servers[role], start = list(visible[start:start + n]), start + n
+    return list(visible[:kept]), servers
+
+
+def visible_gpus() -> list[str]:
+    """This machine's GPUs for the run: `CUDA_VISIBLE_DEVICES`'s ids when it is set, else every GPU torch sees."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [gpu.strip() for gpu in given.split(",") if gpu.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def bind_gpus(recipe: Recipe, started_here: Mapping[str, ServerSpec]) -> dict[str, list[str]]:
+    """Give the embedded servers GPUs of their own (`split_gpus`): `{role: its GPUs}` for their
+    `CUDA_VISIBLE_DEVICES`, the trainer keeping the rest in its own; nothing changes without a GPU or when no
+    embedded server asks for one. Too few GPUs: a `RecipeError` naming the keys and the fixes."""
+    asked = {role: gpus_asked(spec) for role, spec in started_here.items()}
+    visible = visible_gpus() if any(asked.values()) else []
+    if not visible:
+        return {}
+    try:
+        trainer, servers = split_gpus(visible, asked, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError as err:
+        keys = " / ".join(f"servers.{role}.resources.gpus_per_node" for role, n in asked.items() if n)
+        raise RecipeError(recipe.path, [(keys, f"{err}: lower it, run the servers elsewhere (--server-url, --ref-url) "
+                                               "or on the CPU (device: cpu), or make more GPUs visible "
+                                               "(CUDA_VISIBLE_DEVICES)")]) from None
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer)
+    logger.info("GPUs: the trainer %s, %s (CUDA_VISIBLE_DEVICES)", ",".join(trainer),
+                ", ".join(f"the {role} server {','.join(gpus) or 'none'}" for role, gpus in servers.items()))
+    return servers
 
 
 def pool_settings(recipe: Recipe, server_dir: Optional[str], ref_dir: Optional[str]) -> dict:
@@ -198,10 +296,12 @@ def cpu_threads_each(embedded: int) -> Optional[int]:
     return threads
 
 
-def embedded_server(recipe: Recipe, role: str, spec: ServerSpec, threads: Optional[int] = None):
+def embedded_server(recipe: Recipe, role: str, spec: ServerSpec, threads: Optional[int] = None,
+                    gpus: Optional[list[str]] = None):
     """The recipe's server for `role` (`generation` or `reference`) on this machine, on a free port, with the command
     line a server job runs (`slurm_plan.server_command`: the run's key, the run's weight dumps, LoRA, SGLang on the
-    CPU); `threads`: its CPU threads (the built-in server's `--num-threads`, SGLang's OpenMP threads)."""
+    CPU); `threads`: its CPU threads (the built-in server's `--num-threads`, SGLang's OpenMP threads); `gpus`: its
+    `CUDA_VISIBLE_DEVICES` (None: this process's)."""
     from open_r1_ext.launch.local_server import CommandServer, free_port
     from open_r1_ext.launch.slurm_plan import argv, server_command
 
@@ -214,6 +314,8 @@ def embedded_server(recipe: Recipe, role: str, spec: ServerSpec, threads: Option
         local_args = ["--log-level", "warning", *(["--num-threads", str(threads)] if threads else [])]
     elif threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     port = free_port()
     command = argv(server_command(recipe, role, port, host="127.0.0.1", local_args=local_args))
     return CommandServer(command, f"embedded {spec.engine} {role} server", model_path, port, env=env, log_path=str(log),

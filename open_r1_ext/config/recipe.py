@@ -933,11 +933,8 @@ def _check_device(spec: ServerSpec, key: str, problems: list) -> None:
         return
     if spec.device is None:
         return
-    for where, job in spec.resource_entries():
-        if spec.device == "cpu" and job.gpus_per_node > 0:
-            problems.append((f"{key}.{where}.gpus_per_node", f"{job.gpus_per_node}: device: cpu uses no GPU; set "
-                                                             "gpus_per_node: 0, or remove device to run on the GPUs"))
-        elif spec.device == "cuda" and job.gpus_per_node == 0:
+    for where, job in spec.resource_entries():  # device: cpu on a job with GPUs: a rehearsal of a GPU launch, allowed
+        if spec.device == "cuda" and job.gpus_per_node == 0:
             problems.append((f"{key}.{where}.gpus_per_node", "0: device: cuda needs a GPU; give the server job GPUs "
                                                              "(gpus_per_node >= 1) or set device: cpu"))
         if spec.device == "cpu" and spec.engine == "sglang" and job.nodes != 1:

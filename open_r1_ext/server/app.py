@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import re
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -363,8 +364,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
             "weight_version": reported.get("weight_version", engine.weight_version),
             "model_type": getattr(config, "model_type", None),
             "architectures": getattr(config, "architectures", None),
-            "vocab_size": engine.vocab_size,
-        }
+        }  # as SGLang's: no vocab_size (clients read it from the config at model_path)
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -998,6 +998,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         engine = ModelEngine(path, dtype=args.dtype, device=args.device, lora=lora_settings(args))
         slots[prefix] = (engine, Batcher(engine, max_wait_ms=args.max_batch_wait_ms, max_batch_tokens=args.max_batch_tokens))
         logger.info("slot %s: %s (%s, %s)", prefix or "/", path, engine.dtype, engine.device)
+    # whatever the log level: which GPUs this server was given (an embedded server gets its own, `train.bind_gpus`)
+    print(f"open_r1_ext.server: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}, models on "
+          f"{engine.device}", file=sys.stderr, flush=True)
     limits = Limits(max_n=args.max_n, max_batch_items=args.max_batch_items, max_request_tokens=args.max_request_tokens,
                     max_body_bytes=args.max_body_bytes)
     app = create_app(slots, api_key=args.api_key, admin_api_key=args.admin_api_key, random_seed=args.random_seed, context_length=args.context_length,

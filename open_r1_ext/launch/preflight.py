@@ -16,7 +16,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
@@ -52,10 +52,18 @@ class Finding:
 def preflight(recipe: Recipe) -> list[Finding]:
     """Every check; the interpreters' imports (a process of a few seconds each) run beside the others."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        engines = pool.submit(check_engines, recipe)
-        findings = [*check_report_to(recipe), *check_accelerate(recipe), *check_hub_cache(recipe),
-                    *check_disk(recipe), *check_reloads(recipe)]
+        engines = pool.submit(_guarded, check_engines, recipe)
+        findings = [finding for check in (check_report_to, check_accelerate, check_hub_cache, check_disk, check_reloads)
+                    for finding in _guarded(check, recipe)]
         return engines.result() + findings
+
+
+def _guarded(check: Callable[[Recipe], list[Finding]], recipe: Recipe) -> list[Finding]:
+    """A check's findings; a check that fails itself is a warning line, never a traceback or a refusal."""
+    try:
+        return check(recipe)
+    except Exception as err:  # noqa: BLE001 - whatever went wrong, the other checks still answer
+        return [Finding("(preflight)", f"{check.__name__} could not run: {type(err).__name__}: {err}", WARNING)]
 
 
 def report(recipe: Recipe, findings: list[Finding]) -> bool:
@@ -165,9 +173,11 @@ def check_accelerate(recipe: Recipe) -> list[Finding]:
         return []
     key, path, job = "accelerate_config", recipe.accelerate_config, recipe.slurm.trainer
     try:
-        config = yaml.safe_load(Path(path).read_text()) or {}
+        config = _accelerate_settings(recipe)
     except (OSError, yaml.YAMLError) as err:
         return [Finding(key, f"{path} cannot be read as an accelerate config: {err}")]
+    if not isinstance(config, dict):
+        return [Finding(key, f"{path} is not an accelerate config (a mapping, as `accelerate config` writes)")]
     findings = []
     kind = str(config.get("distributed_type", "NO")).upper()
     per_node = job.processes_per_node or max(1, job.gpus_per_node)
@@ -200,6 +210,12 @@ def check_accelerate(recipe: Recipe) -> list[Finding]:
         findings.append(Finding(key, f"ZeRO-{stage} shards the model over the trainer's processes, and slurm.trainer "
                                      "runs one: nothing is sharded", WARNING))
     return findings
+
+
+def _accelerate_settings(recipe: Recipe) -> dict:
+    """The recipe's accelerate config file as read (`{}` without one)."""
+    path = recipe.accelerate_config
+    return (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
 
 
 # -------------------------------------------------------------------------------------------- HF cache
@@ -346,10 +362,11 @@ def model_parameters(recipe: Recipe) -> Optional[tuple[int, int]]:
 
 
 def _deepspeed(recipe: Recipe) -> bool:
-    if not recipe.accelerate_config or not Path(recipe.accelerate_config).is_file():
+    """Whether the trainer runs under DeepSpeed (its checkpoints then hold fp32 optimizer state)."""
+    try:
+        return str(_accelerate_settings(recipe).get("distributed_type", "")).upper() == "DEEPSPEED"
+    except (OSError, yaml.YAMLError, AttributeError):
         return False
-    config = yaml.safe_load(Path(recipe.accelerate_config).read_text()) or {}
-    return str(config.get("distributed_type", "")).upper() == "DEEPSPEED"
 
 
 def _existing(path: Path) -> Path:

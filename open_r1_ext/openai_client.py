@@ -1,8 +1,10 @@
 """Generation through any OpenAI-compatible `/v1/completions` server (SGLang, vLLM, llama.cpp and others).
 
 Once, at start-up, a one-token probe finds out what the server can do (`ServerAbilities`) and the client adapts:
-prompts go out as token ids, else as text (decoded once, with a one-time warning that this is lossy); `n` copies in
-one request, else one request per copy (said once); completions come back as token ids where the server says them
+prompts go out as token ids, else as text (decoded once, with a one-time warning that this is lossy); several prompts
+in one request, else one request per prompt (a server that takes one string, as `transformers serve`); `n` copies in
+one request, else one request per copy (said once); whether it reloads weights (it answers SGLang's `/model_info`:
+the trainer refuses weight sync to one that cannot, before step 1); completions come back as token ids where the server says them
 (SGLang's `return_token_ids` -> `choices[i].token_ids`, vLLM's `return_tokens_as_token_ids` -> `"token_id:N"`
 tokens), else the text is re-tokenized with the trainer's tokenizer (lossy, warned once); sampling log-probs are used
 where given, and the weight version where the server says it (SGLang's `metadata.weight_version`). The sampling
@@ -40,6 +42,7 @@ from open_r1_ext.sglang_client import (
     AbortedRequestError,
     SGLangClient,
     ServerError,
+    ServerRequestError,
 )
 
 logger = logging.getLogger(__name__)
@@ -54,10 +57,12 @@ class ServerAbilities:
     """What an OpenAI-compatible server did with the start-up probe."""
 
     token_id_prompts: bool  # takes prompts as lists of token ids
+    prompt_lists: bool  # takes several prompts in one request (else one string: one request per prompt)
     n_in_one_request: bool  # answers `n` choices per prompt
     token_ids: bool  # says the completions' token ids
     logprobs: bool  # gives each sampled token's log-prob
     extensions: bool  # accepts SGLang's and vLLM's extra fields (a strict server refuses unknown fields)
+    reloads_weights: bool  # answers SGLang's `/model_info`, so it takes weight reloads (vLLM, llama.cpp: 404)
 
 
 class OpenAICompletionsClient:
@@ -77,7 +82,8 @@ class OpenAICompletionsClient:
         >>> client = OpenAICompletionsClient("http://localhost:8000", tokenizer)
         >>> client.wait_until_healthy()  # then probes the server once
         >>> client.abilities
-        ServerAbilities(token_id_prompts=True, n_in_one_request=True, token_ids=True, logprobs=True, extensions=True)
+        ServerAbilities(token_id_prompts=True, prompt_lists=True, n_in_one_request=True, token_ids=True, logprobs=True,
+                        extensions=True, reloads_weights=True)
         >>> client.check_sampling({"max_new_tokens": 4, "temperature": 1.0, "min_p": 0.05})  # raises if it cannot
         >>> client.generate([[1, 2, 3]], {"max_new_tokens": 4, "temperature": 1.0}, n=2, seeds=[0, 1])
         [[Completion(token_ids=[17, 3, ...], logprobs=[...], finish_reason='length', weight_version='default'), ...]]
@@ -127,17 +133,19 @@ class OpenAICompletionsClient:
         return self._abilities
 
     def _probe(self) -> ServerAbilities:
-        """Ask for one token, two copies, with token ids and log-probs: prompts as ids then as text with the
-        extensions, then as ids and as text without them; what the first accepted form gives back says what the
-        server can do. A form the server refuses or fails on (after the few 5xx retries) is skipped; if it takes none,
-        the error lists every answer."""
+        """Ask for one token, two copies, with token ids and log-probs: prompts as a list of ids then of text with the
+        extensions, the same without them, then as one string (`transformers serve` takes nothing else); what the
+        first accepted form gives back says what the server can do. A form the server refuses or fails on (after the
+        few 5xx retries) is skipped; if it takes none, the error lists every answer."""
         ids = self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"][:1] or [0]
         sampling = {"max_new_tokens": 1, "temperature": 1.0}
         refusals = []
-        for token_id_prompts, extensions in ((True, True), (False, True), (True, False), (False, False)):
+        forms = [(True, True, True), (False, True, True), (True, True, False), (False, True, False),
+                 (False, False, True), (False, False, False)]
+        for token_id_prompts, prompt_lists, extensions in forms:
             body = completions_request(self.model, [ids], sampling, n=2, seed=None, extensions=extensions)
             if not token_id_prompts:
-                body["prompt"] = [PROBE_TEXT]
+                body["prompt"] = [PROBE_TEXT] if prompt_lists else PROBE_TEXT
             try:
                 answer = self.http.post_json("/v1/completions", body)
             except ServerError as err:  # 4xx, or a 5xx (FastChat's server fails token-id prompts with a 500)
@@ -148,10 +156,12 @@ class OpenAICompletionsClient:
             completion = completion_from_choice(first)
             return ServerAbilities(
                 token_id_prompts=token_id_prompts,
+                prompt_lists=prompt_lists,
                 n_in_one_request=len(choices) == 2,
                 token_ids=completion is not None,
                 logprobs=bool(((first.get("logprobs") or {}).get("token_logprobs"))),
                 extensions=extensions,
+                reloads_weights=reloads_weights(self.http),
             )
         raise ServerError(f"{self.base_url}/v1/completions refused every form of a one-token request: "
                           + " | ".join(refusals))
@@ -171,17 +181,14 @@ class OpenAICompletionsClient:
             calls = [(list(range(len(prompts))), n, None)]
         else:  # the server answers one choice per prompt: one request per copy
             calls = [(list(range(len(prompts))), 1, None)] * n
+        if not abilities.prompt_lists:  # the server takes one prompt a request
+            calls = [([index], copies, seed) for indices, copies, seed in calls for index in indices]
         with ThreadPoolExecutor(max_workers=min(len(calls), self.http.max_concurrency)) as pool:
             answers = list(pool.map(lambda call: self._call(prompts, texts, sampling, *call), calls))
         groups: list[list[Completion]] = [[] for _ in prompts]
-        if seeds is not None or abilities.n_in_one_request:
-            for (indices, copies, _), answer in zip(calls, answers):
-                for k, completion in enumerate(answer):
-                    groups[indices[k // copies]].append(completion)
-        else:
-            for answer in answers:
-                for index, completion in enumerate(answer):
-                    groups[index].append(completion)
+        for (indices, copies, _), answer in zip(calls, answers):  # each answer: its prompts' copies, prompt-major
+            for k, completion in enumerate(answer):
+                groups[indices[k // copies]].append(completion)
         return groups
 
     def check_sampling(self, sampling: dict) -> None:
@@ -227,7 +234,7 @@ class OpenAICompletionsClient:
         body = completions_request(self.model, [prompts[i] for i in indices], sampling, n, seed,
                                    extensions=self.abilities.extensions)
         if texts is not None:
-            body["prompt"] = [texts[i] for i in indices]
+            body["prompt"] = [texts[i] for i in indices] if self.abilities.prompt_lists else texts[indices[0]]
         answer = self.http.post_json("/v1/completions", body)
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or len(choices) != len(indices) * n:
@@ -265,3 +272,14 @@ class OpenAICompletionsClient:
         if reason == "stop" and self.tokenizer.eos_token_id is not None:
             ids = ids + [self.tokenizer.eos_token_id]
         return Completion(ids, None, reason, weight_version)
+
+
+def reloads_weights(http: SGLangClient) -> bool:
+    """Whether the server behind `http` takes weight reloads the way weight sync sends them: it answers SGLang's
+    `/model_info` (its `weight_version`; SGLang and the built-in server), where vLLM, llama.cpp and `transformers
+    serve` answer 404."""
+    try:
+        http.get_json("/model_info")
+    except ServerRequestError:
+        return False
+    return True

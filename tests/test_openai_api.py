@@ -423,8 +423,8 @@ def test_token_ids_come_back_the_sglang_way_and_the_vllm_way(server):
 def test_backend_against_the_builtin_server(server, tokenizer):
     client = OpenAICompletionsClient(server.url, tokenizer=tokenizer)
     client.wait_until_healthy(timeout=30, progress=False)
-    assert client.abilities == ServerAbilities(token_id_prompts=True, n_in_one_request=True, token_ids=True,
-                                               logprobs=True, extensions=True)
+    assert client.abilities == ServerAbilities(token_id_prompts=True, prompt_lists=True, n_in_one_request=True,
+                                               token_ids=True, logprobs=True, extensions=True, reloads_weights=True)
     sampling = {"max_new_tokens": 8, "temperature": 1.0}
     groups = client.generate([[1, 2, 3], [4, 5]], sampling, n=3, seeds=[7, 8, 9, 10, 11, 12])
     # divergence 2: a deterministic server gives every copy of a seeded request the same seed; one request per copy
@@ -443,8 +443,9 @@ def test_backend_adapts_to_a_plain_openai_server(text_only, tokenizer, tiny_mode
     client = OpenAICompletionsClient(text_only.url, tokenizer=tokenizer)
     with caplog.at_level(logging.WARNING, logger="open_r1_ext.openai_client"):
         client.wait_until_healthy(timeout=30, progress=False)
-        assert client.abilities == ServerAbilities(token_id_prompts=False, n_in_one_request=False, token_ids=False,
-                                                   logprobs=True, extensions=True)
+        assert client.abilities == ServerAbilities(token_id_prompts=False, prompt_lists=True, n_in_one_request=False,
+                                                   token_ids=False, logprobs=True, extensions=True,
+                                                   reloads_weights=True)
         prompts = [tokenizer.encode("Hello there"), tokenizer.encode(PROMPT)]
         groups = client.generate(prompts, {"max_new_tokens": 6, "temperature": 1.0}, n=2)
         client.generate(prompts, {"max_new_tokens": 6, "temperature": 1.0}, n=2, seeds=[1, 2, 3, 4])

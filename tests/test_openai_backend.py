@@ -150,7 +150,8 @@ def test_sampling_settings_a_server_cannot_be_sent_are_refused_at_start(tiny_mod
             trainer = openai_trainer(tiny_model, fake.url, tmp_path / "trains", max_steps=2)
             trainer.train()
         assert trainer.remote_generation.client.abilities == ServerAbilities(
-            token_id_prompts=True, n_in_one_request=True, token_ids=False, logprobs=True, extensions=False)
+            token_id_prompts=True, prompt_lists=True, n_in_one_request=True, token_ids=False, logprobs=True,
+            extensions=False, reloads_weights=True)
         assert trainer.state.global_step == 2
         assert sum("stop_token_ids are not sent" in r.message for r in caplog.records) == 1
         assert all(set(body) <= OPENAI_FIELDS for body in completion_bodies(fake)[-2:])

@@ -69,8 +69,8 @@ def test_the_openai_client_on_sglang_completions(sglang_server, tokenizer, tiny_
     only the top token, i.e. the greedy completion."""
     client = OpenAICompletionsClient(sglang_server.url, tokenizer)
     client.wait_until_healthy(timeout=60, progress=False)
-    assert client.abilities == ServerAbilities(token_id_prompts=True, n_in_one_request=True, token_ids=True,
-                                               logprobs=True, extensions=True)
+    assert client.abilities == ServerAbilities(token_id_prompts=True, prompt_lists=True, n_in_one_request=True,
+                                               token_ids=True, logprobs=True, extensions=True, reloads_weights=True)
     groups = client.generate([[5, 17, 42], [7, 8]], {"max_new_tokens": 8, "temperature": 1.0,
                                                       "stop_token_ids": list(range(0, 300, 3))}, n=2, seeds=[1, 2, 3, 4])
     completions = [c for g in groups for c in g]

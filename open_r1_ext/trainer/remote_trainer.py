@@ -29,6 +29,7 @@ from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from open_r1_ext.config.grpo_config import RemoteGRPOConfig
+from open_r1_ext.openai_client import OpenAICompletionsClient
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, SGLangClient
 from open_r1_ext.trainer.generation import remote_generation, server_client
@@ -194,6 +195,14 @@ class RemoteGRPOTrainer(GRPOTrainer):
             mismatch = describe_model_mismatch(client.model_info(), self.model.config, len(self.processing_class))
             if mismatch:
                 raise ValueError(f"The {role} server at {client.base_url} serves another model than the trainer's: {mismatch}")
+        if (isinstance(generation_client, OpenAICompletionsClient) and self.remote_generation.target is not None
+                and not generation_client.abilities.reloads_weights):
+            raise ValueError(
+                f"weight_sync_steps={self.args.weight_sync_steps}: the generation server at {generation_client.base_url} "
+                "cannot reload weights (it does not answer SGLang's /model_info, as vLLM, llama.cpp and `transformers "
+                "serve` do not), so the first weight sync would fail. Set weight_sync_steps=0 (a recipe's "
+                "sync.weight_sync_steps: 0) to sample from the server's own fixed weights, or generate with an engine that "
+                "reloads them: SGLang or the built-in server (generation_backend='sglang').")
         target = self.reference_target
         if target is not None and target.mixup_alpha not in (None, 1.0) and not target.client.server_info().get("supports_weight_mixup"):
             raise ValueError(

@@ -197,7 +197,8 @@ def hub_cache_with(cache: Path, repo_id: str, model: Path) -> None:
 
 def test_hub_ids_missing_from_the_cache_warn_and_are_refused_offline(tmp_path, tiny_model):
     """A hub model in the cache is found (and its parameters counted from the cached config.json for the disk); one
-    that is not: a warning naming the download command, an error under HF_HUB_OFFLINE (the jobs cannot download)."""
+    that is not, or a hub dataset datasets has not prepared: a warning naming the download command, an error under
+    HF_HUB_OFFLINE (the jobs cannot download)."""
     cache, cached, missing = tmp_path / "hub", "open-r1-ext-tests/tiny-cached", f"open-r1-ext-tests/absent-{uuid.uuid4().hex[:8]}"
     hub_cache_with(cache, cached, tiny_model)
     path = tiny_recipe(tmp_path, tiny_model)
@@ -205,10 +206,12 @@ def test_hub_ids_missing_from_the_cache_warn_and_are_refused_offline(tmp_path, t
     for name in (cached, missing):
         raw = yaml.safe_load(path.read_text())
         raw["model"]["name_or_path"] = name
+        raw["data"]["dataset"] = raw["data"]["dataset"] if name == cached else missing + "-data"
         recipes.append(tmp_path / f"{name.split('/')[1]}.yaml")
         recipes[-1].write_text(yaml.safe_dump(raw))
     result = cli("validate", "--preflight", *map(str, recipes),
-                 env=dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1"))
+                 env=dict(os.environ, HF_HUB_CACHE=str(cache), HF_DATASETS_CACHE=str(tmp_path / "datasets"),
+                          HF_HUB_OFFLINE="1"))
     assert result.returncode == 1, result.stderr
     out, err = result.stdout.splitlines(), result.stderr.splitlines()
     assert any(line.startswith(f"{recipes[0]}: model.name_or_path: ok: {cached} is in the local cache ({cache}/") for line in out)
@@ -216,8 +219,11 @@ def test_hub_ids_missing_from_the_cache_warn_and_are_refused_offline(tmp_path, t
     assert (f"{recipes[1]}: model.name_or_path: {missing} is not in the local HF cache ({cache}), and HF_HUB_OFFLINE is "
             f"set: the jobs cannot download it; run on a machine with internet, with the same HF_HOME: hf download "
             f"{missing}") in err, result.stderr
+    assert (f"{recipes[1]}: data.dataset: {missing}-data is not in datasets' cache ({tmp_path / 'datasets'}), and "
+            "HF_HUB_OFFLINE is set: the jobs cannot download it; run on a machine with internet, with the same "
+            f"HF_HOME: python -c \"import datasets; datasets.load_dataset('{missing}-data', split='train')\"") in err
     online = load_recipe(recipes[1])  # this process: HF_HUB_OFFLINE unset, its default cache
-    assert [line for line in lines(online, pf.check_hub_cache(online), pf.WARNING) if missing in line] == [
+    assert [line for line in lines(online, pf.check_hub_cache(online), pf.WARNING) if ": model." in line] == [
         f"{recipes[1]}: model.name_or_path: warning: {missing} is not in the local HF cache "
         f"({constants.HF_HUB_CACHE}): every job downloads it at start; nodes without internet: run hf download {missing} "
         "on a login node first, then export HF_HUB_OFFLINE=1"]

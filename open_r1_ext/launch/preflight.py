@@ -220,8 +220,10 @@ def _accelerate_settings(recipe: Recipe) -> dict:
 
 # -------------------------------------------------------------------------------------------- HF cache
 def check_hub_cache(recipe: Recipe) -> list[Finding]:
-    """Each hub model and dataset of the run is in the local HF cache, or each job downloads it at start: a warning,
-    an error under HF_HUB_OFFLINE (the jobs inherit it and cannot download)."""
+    """Each hub model of the run is in the HF hub cache and its hub dataset in datasets' cache (where their offline
+    loads look: a dataset's hub snapshot alone does not load under HF_HUB_OFFLINE with datasets 5.2), or each job
+    downloads it at start: a warning; an error under HF_HUB_OFFLINE (the jobs inherit it and cannot download)."""
+    import datasets
     from huggingface_hub import constants
 
     wanted = {("model", recipe.model.name_or_path): "model.name_or_path",
@@ -232,40 +234,46 @@ def check_hub_cache(recipe: Recipe) -> list[Finding]:
     for (kind, repo_id), key in wanted.items():
         if is_local_path(repo_id):
             continue
-        where = hub_snapshot(repo_id, kind) or (kind == "dataset" and _datasets_cache(repo_id))
+        where = hub_snapshot(repo_id) if kind == "model" else _datasets_cache(repo_id)
         if where:
             findings.append(Finding(key, f"{repo_id} is in the local cache ({where})", OK))
             continue
-        fetch = (f"hf download {repo_id}" if kind == "model" else
-                 f"python -c \"import datasets; datasets.load_dataset('{repo_id}', split='{recipe.data.split}'"
-                 + (f", name='{recipe.data.config}'" if recipe.data.config else "") + ")\"")
-        missing = f"{repo_id} is not in the local HF cache ({constants.HF_HUB_CACHE})"
-        if constants.HF_HUB_OFFLINE:
-            findings.append(Finding(key, f"{missing}, and HF_HUB_OFFLINE is set: the jobs cannot download it; run on a "
-                                         f"machine with internet, with the same HF_HOME: {fetch}"))
+        if kind == "model":
+            missing, fetch = f"the local HF cache ({constants.HF_HUB_CACHE})", f"hf download {repo_id}"
         else:
-            findings.append(Finding(key, f"{missing}: every job downloads it at start; nodes without internet: run "
-                                         f"{fetch} on a login node first, then export HF_HUB_OFFLINE=1", WARNING))
+            missing = f"datasets' cache ({datasets.config.HF_DATASETS_CACHE})"
+            fetch = (f"python -c \"import datasets; datasets.load_dataset('{repo_id}', split='{recipe.data.split}'"
+                     + (f", name='{recipe.data.config}'" if recipe.data.config else "") + ")\"")
+        if constants.HF_HUB_OFFLINE:
+            findings.append(Finding(key, f"{repo_id} is not in {missing}, and HF_HUB_OFFLINE is set: the jobs cannot "
+                                         f"download it; run on a machine with internet, with the same HF_HOME: {fetch}"))
+        else:
+            findings.append(Finding(key, f"{repo_id} is not in {missing}: every job downloads it at start; nodes without "
+                                         f"internet: run {fetch} on a login node first, then export HF_HUB_OFFLINE=1",
+                                    WARNING))
     return findings
 
 
-def hub_snapshot(repo_id: str, kind: str = "model") -> Optional[Path]:
-    """The local snapshot of a hub repository (its `main`), or None; never downloads."""
+def hub_snapshot(repo_id: str) -> Optional[Path]:
+    """The local snapshot of a hub model (its `main`), or None; never downloads."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, repo_type=kind, local_files_only=True))
+        return Path(snapshot_download(repo_id, local_files_only=True))
     except LocalEntryNotFoundError:
         return None
 
 
 def _datasets_cache(repo_id: str) -> Optional[Path]:
-    """datasets' own cache of a hub dataset it prepared (`org___name`), or None."""
+    """datasets' own cache of a hub dataset it prepared, where its offline load looks (`CachedDatasetModuleFactory`:
+    `org___snake_case_name/<config>/<version>/<hash>/`), or None."""
     import datasets
+    from datasets.naming import camelcase_to_snakecase
 
-    folder = Path(datasets.config.HF_DATASETS_CACHE) / repo_id.replace("/", "___")
-    return folder if folder.is_dir() else None
+    org, name = repo_id.split("/")
+    folder = Path(datasets.config.HF_DATASETS_CACHE) / f"{org}___{camelcase_to_snakecase(name)}"
+    return folder if any(path.is_dir() for path in folder.glob("*/*/*")) else None
 
 
 # ------------------------------------------------------------------------------------------------ disk

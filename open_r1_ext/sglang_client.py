@@ -40,7 +40,7 @@ from open_r1_ext.protocol import (
     with_seed,
 )
 from open_r1_ext.wait_progress import WaitProgress
-from open_r1_ext.weight_files import MANIFEST, WeightFileError, check_manifest
+from open_r1_ext.weight_files import MANIFEST, WeightFileError, check_reloadable
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +344,8 @@ class SGLangClient:
         """Ask the server to load new weights from `model_path` (a directory it can read); raises on failure.
 
         A dump with a `manifest.json` (the trainer's) that this machine can see is checked first, every file present
-        with its size: SGLang loads whatever tensors a directory holds and reports success. A reload SGLang refuses
+        with its size (and checksum, once sealed): SGLang loads whatever tensors a directory holds and reports success.
+        A reload SGLang refuses
         because requests still ran at its cache flush is sent again once they ended (`CACHE_NOT_FLUSHED`).
         """
         _check_dump(model_path, f"{self.base_url}/update_weights_from_disk")
@@ -446,11 +447,12 @@ class SGLangClient:
 
 
 def _check_dump(path: str, url: str) -> None:
-    """A dump with a `manifest.json` (the trainer's) that this machine can see: every file present with its size,
-    else `IncompleteDumpError` (SGLang loads whatever tensors a directory holds and reports success)."""
+    """A dump with a `manifest.json` (the trainer's) that this machine can see: every file present with its size, and
+    its checksum once the dump is sealed (`weight_files.check_reloadable`), else `IncompleteDumpError` (SGLang loads
+    whatever tensors a directory holds and reports success, and its scheduler dies on a damaged safetensors file)."""
     if os.path.lexists(os.path.join(path, MANIFEST)):
         try:
-            check_manifest(Path(path), checksums=False)
+            check_reloadable(Path(path))
         except WeightFileError as err:
             raise IncompleteDumpError(f"not asking {url} to load an incomplete dump: {err}") from err
 

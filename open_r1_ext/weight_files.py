@@ -10,14 +10,16 @@ and sizes (free). Temporary directories a crash left behind are removed at the n
 step so that a trainer runs it in the background after the servers reloaded (`weight_sync.WeightSync` records a
 sync only once its dump is sealed): a crash of the machine before the fsync can leave damaged files behind a
 published name, and the checksums are what tell them apart when a dump is reused (`check_manifest(checksums=True)`,
-e.g. restoring the reference on resume). A plain `save_pretrained` directory without a manifest is read as it is.
+e.g. restoring the reference on resume; `check_reloadable` before any reload of a sealed dump). A plain
+`save_pretrained` directory without a manifest is read as it is. Files are read with plain reads, never mapped: a
+file that shrinks under a mapping (truncated, or a network file system's read error) raises SIGBUS, which kills
+the process; a read raises `WeightFileError` naming the file.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import re
 import shutil
@@ -28,7 +30,7 @@ from typing import Any, Callable
 import torch
 import xxhash
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"
@@ -37,25 +39,53 @@ INCOMPLETE = "WRITE_IN_PROGRESS"
 TEMPORARY = ".tmp-"  # `.step-7.tmp-<pid>`: a dump being written; removed at the next start if a crash left it
 DEFAULT_BUCKET_MB = 1024.0  # a dump's largest shard by default: `sync.bucket_mb` (RemoteGRPOConfig.bucket_mb)
 CHECKSUM = "xxh3_128"  # ~10 GB/s in memory here, 9x sha256; it guards against damage, not against an attacker
+READ_CHUNK = 4 << 20  # bytes a checksum reads at a time into one reused buffer (xxhash releases the GIL above 64 KiB)
 
 
 class WeightFileError(ValueError):
     """A weight directory that cannot be loaded; the message names the directory and the problem."""
 
 
-def checksum_of(path: Path) -> str:
-    """xxh3-128 of a file's bytes, read through mmap (no copy; xxhash releases the GIL while it hashes)."""
-    with open(path, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size == 0:
-            return xxhash.xxh3_128(b"").hexdigest()
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return xxhash.xxh3_128(mapped).hexdigest()
+def checksum_of(path: Path, size: int) -> str:
+    """xxh3-128 of a file that must hold `size` bytes (its manifest's), read in chunks of `READ_CHUNK` into one
+    buffer (xxhash's streaming API, the GIL released while each chunk is hashed). `WeightFileError` naming the file
+    if it cannot be read, or is cut short, grows or is deleted while it is read."""
+    digest, buffer = xxhash.xxh3_128(), memoryview(bytearray(max(1, min(size, READ_CHUNK))))
+    read = 0
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            while read < size and (count := handle.readinto(buffer[:min(size - read, len(buffer))])):
+                digest.update(buffer[:count])
+                read += count
+            now = os.fstat(handle.fileno())
+    except OSError as err:
+        raise WeightFileError(f"{path.parent}: cannot read {path.name}: {err.strerror or err}") from err
+    if now.st_nlink == 0:
+        raise WeightFileError(f"{path.parent}: file {path.name} was deleted while its checksum was computed")
+    if read != size or now.st_size != size:
+        raise WeightFileError(f"{path.parent}: file {path.name} changed while its checksum was computed: it has "
+                              f"{now.st_size} bytes, {MANIFEST} says {size}")
+    return digest.hexdigest()
 
 
 def check_manifest(directory: Path, checksums: bool) -> None:
     """Raise `WeightFileError` unless every file in the manifest is present with its size (and, if `checksums`,
     its checksum: the dump must be sealed)."""
-    for name, expected in _manifest_files(directory).items():
+    _check_files(directory, _manifest_files(directory), checksums)
+
+
+def check_reloadable(directory: Path) -> None:
+    """What is checked before a server is asked to load the dump `directory` (`sglang_client`, on every reload):
+    its manifest's files and sizes, and their checksums once it is sealed. A dump is reloaded moments after it was
+    written, before its seal; a sealed one is being reused (a restored or joining server, a resume), and only the
+    checksums tell a damaged file of the right size from a good one: SGLang's scheduler dies on a damaged
+    safetensors file."""
+    files = _manifest_files(directory)
+    _check_files(directory, files, checksums=all(CHECKSUM in entry for entry in files.values()))
+
+
+def _check_files(directory: Path, files: dict[str, dict], checksums: bool) -> None:
+    for name, expected in files.items():
         path = directory / name
         if not os.path.lexists(path):
             raise WeightFileError(f"{directory}: file {name} listed in {MANIFEST} is missing")
@@ -67,7 +97,7 @@ def check_manifest(directory: Path, checksums: bool) -> None:
         if CHECKSUM not in expected:
             raise WeightFileError(f"{directory}: {MANIFEST} has no {CHECKSUM} checksums: the dump was never sealed "
                                   "(its sync was not logged); use a logged dump")
-        if expected[CHECKSUM] != checksum_of(path):
+        if expected[CHECKSUM] != checksum_of(path, size):
             raise WeightFileError(f"{directory}: file {name} does not match its {CHECKSUM} checksum in {MANIFEST} "
                                   "(damaged after it was written)")
 
@@ -146,11 +176,22 @@ def read_weight_dir(directory: Path) -> dict[str, torch.Tensor]:
         check_manifest(directory, checksums=False)
     tensors: dict[str, torch.Tensor] = {}
     for path in safetensors_files(directory):
-        try:
-            tensors.update(load_file(str(path), device="cpu"))
-        except (SafetensorError, OSError, ValueError) as err:
-            raise WeightFileError(f"{directory}: cannot read {path.name} (truncated or not safetensors): {err}") from err
+        tensors.update(read_shard(path))
     return tensors
+
+
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors on CPU, read with a plain read (`safetensors.torch.load` of its bytes; its
+    `load_file` maps the file, and a file that shrinks under a mapping kills the process with SIGBUS). Costs a
+    second copy of the file in memory while it is parsed, and fresh memory for it (docs/benchmarks.md)."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise WeightFileError(f"{path.parent}: cannot read {path.name}: {err.strerror or err}") from err
+    try:
+        return load(data)
+    except (SafetensorError, ValueError) as err:
+        raise WeightFileError(f"{path.parent}: cannot read {path.name} (truncated or not safetensors): {err}") from err
 
 
 def _fsync(path: Path) -> None:
@@ -165,16 +206,17 @@ def _fsync(path: Path) -> None:
 
 def seal_weight_dir(directory: Path) -> None:
     """Add each file's checksum to a published dump's manifest (once; the manifest is replaced atomically), then
-    fsync every file, the directory and its parent (the rename). `OSError` or `WeightFileError` on failure."""
+    fsync every file it lists and itself, the directory and its parent (the rename). `OSError` or `WeightFileError`
+    naming the file on failure (one changed or deleted meanwhile among them)."""
     directory = Path(directory)
     files = _manifest_files(directory)
     if any(CHECKSUM not in entry for entry in files.values()):
         check_manifest(directory, checksums=False)  # never checksum a file that changed since it was published
         for name, entry in files.items():
-            entry[CHECKSUM] = checksum_of(directory / name)
+            entry[CHECKSUM] = checksum_of(directory / name, entry["size"])
         _write_manifest(directory, files)
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        _fsync(path)
+    for name in sorted(files) + [MANIFEST]:
+        _fsync(directory / name)
     _fsync(directory)
     _fsync(directory.parent)
 

@@ -129,7 +129,8 @@ def test_groups_sampled_by_a_restarted_server_restore_its_weights_and_are_sample
             if state.global_step == 4:  # after the sync of step 4 (a callback before this one); batch 4's groups sent
                 for update in list(generation._updates):
                     update.result()
-                if damaged:
+                if damaged:  # once sealed (logged), as a crash would find it; damage during a seal: test_weight_files
+                    trainer.weight_sync.wait_durable()
                     (tmp_path / "weights" / "step-4" / "model-00001-of-00001.safetensors").write_bytes(b"damaged")
                 server.stop(signal.SIGKILL)
                 server.start()

@@ -2,6 +2,7 @@
 
 import errno
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.config.grpo_config import RemoteGRPOConfig
+from open_r1_ext.server_pool import NoReplicaError, ServerPool
 from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
 from open_r1_ext.trainer.weight_sync import SyncTarget, WeightDumpError, WeightSync, WeightSyncError, epochs_crossed
 from open_r1_ext.weight_files import check_manifest, read_weight_dir, seal_weight_dir, write_weight_dir
@@ -137,6 +139,68 @@ def test_restoring_a_damaged_or_unsealed_dump_is_refused(tiny_model, server, tmp
     with pytest.raises(WeightSyncError, match="cannot restore the reference server's weights: .*does not match its xxh3_128 checksum"):
         sync.repush(logged)
     assert client.weight_version() == "default"
+
+
+def copied_dump(tiny_model, path):
+    """A published (unsealed) dump of the tiny model's weights and config."""
+    return write_weight_dir(path, lambda tmp: [shutil.copy(tiny_model / name, tmp)
+                                               for name in ("config.json", "model.safetensors")])
+
+
+def damage_keeping_size(dump) -> None:
+    """Other bytes at the end of the shard's tensor data, its size kept (what a crash before the fsync can leave
+    behind a published name): only the checksums tell."""
+    with open(dump / "model.safetensors", "r+b") as f:
+        f.seek(-64, 2)
+        f.write(b"\x00\x01\x02\x03")
+
+
+def load_requests(server) -> int:
+    """The reloads a server (SGLang or built-in) was asked for: its access log's `POST /update_weights_from_disk`."""
+    return sum("POST /update_weights_from_disk" in line for line in server.log_path.read_text(errors="replace").splitlines())
+
+
+def test_a_logged_dump_damaged_since_is_never_handed_to_a_restored_server(any_server, tiny_model, tmp_path):
+    """Restoring a server's weights from its last logged dump (`WeightSync.repush`: a restarted server, the reference
+    on resume) verifies the dump's checksums first: one damaged since is refused with an error naming the dump, and
+    the server, SGLang or built-in, is never asked to load it and keeps its weights (SGLang's scheduler dies on a
+    damaged safetensors file)."""
+    client = SGLangClient(any_server.url, max_retries=0)
+    dump = copied_dump(tiny_model, tmp_path / "step-3")
+    seal_weight_dir(dump)
+    damage_keeping_size(dump)
+    sync = WeightSync(SimpleNamespace(num_processes=1, is_main_process=True), str(tmp_path), 2, str(tmp_path / "log"), [])
+    reloads = load_requests(any_server)
+    with pytest.raises(WeightSyncError, match=rf"cannot restore the generation server's weights: {re.escape(str(dump))}: "
+                                              r"file model.safetensors does not match its xxh3_128 checksum"):
+        sync.repush(SyncTarget("generation", client, version="3", path=dump, step=3))
+    assert load_requests(any_server) == reloads
+    assert client.weight_version() == "default" and client.is_healthy()
+
+
+def test_a_sealed_dump_damaged_since_is_never_replayed_to_a_replica(any_server, tiny_model, tmp_path):
+    """A pool replays its last dump to a replica that lost it (restarted; here put back on its start-up weights). By
+    then the dump is sealed, and every reload of a sealed dump verifies its checksums first: damaged since, the
+    replica (SGLang or built-in) is never asked to load it, keeps its weights, and is dropped, the pool's error
+    naming the dump."""
+    client = SGLangClient(any_server.url, max_retries=0)
+    dump = copied_dump(tiny_model, tmp_path / "step-1")
+    pool = ServerPool([any_server.url], replica_max_retries=0, wait_timeout=2.0)
+    try:
+        pool.update_weights_from_disk(str(dump), weight_version="1")  # just written, not sealed yet: loaded
+        assert client.weight_version() == "1"
+        seal_weight_dir(dump)
+        damage_keeping_size(dump)
+        restore_default_weights(any_server.url, tiny_model)  # the replica lost the pool's weights
+        reloads = load_requests(any_server)
+        with pytest.raises(NoReplicaError, match=rf"not asking {re.escape(any_server.url)}/update_weights_from_disk to "
+                                                 rf"load an incomplete dump: {re.escape(str(dump))}: file "
+                                                 r"model.safetensors does not match its xxh3_128 checksum"):
+            pool.weight_version()
+        assert load_requests(any_server) == reloads
+        assert client.weight_version() == "default" and client.is_healthy()
+    finally:
+        pool.close()
 
 
 def test_sync_is_logged_only_once_its_dump_is_durable(tiny_model, server, tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
-"""slurm/*.slurm on a real one-node SLURM cluster (tools/local_slurm.sh), and the plan their jobs read (slurm_plan.py).
+"""slurm/*.slurm on a real SLURM cluster (tools/local_slurm.sh), and the plan their jobs read (slurm_plan.py).
 
-End to end: `sbatch slurm/grpo.slurm` runs a server job and a trainer job on the tiny model (the built-in server, and
-real SGLang on the CPU), and nothing of the run is left in squeue afterwards; scancel of the server, or a server that never comes up, stops the trainer with
-an error naming the server job; an invalid recipe submits nothing. The plan tests need no cluster.
+End to end: `sbatch slurm/grpo.slurm` runs server replicas and a trainer job on the tiny model, and nothing of the run
+is left in squeue afterwards (real SGLang on the CPU under sbatch: every shipped recipe in test_rehearsal.py); scancel
+of the servers, or a server that never comes up, stops the trainer with an error naming the server job; an invalid
+recipe submits nothing. The plan tests need no cluster.
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch.jobs import JobContext, node_command
 from open_r1_ext.launch.slurm_plan import PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
-from tests.slurm_helpers import (JOB_WAIT_S, RECIPE, REPO, assert_trained, job_processes, run_script, sglang_on_cpu,
-                                 slurm_state, wait_until)
+from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, run_script, slurm_state, wait_until
 
 
 # --------------------------------------------------------------------------------- plan (no SLURM)
@@ -187,41 +186,6 @@ def test_grpo_slurm_runs_two_replicas_one_replaced_mid_run_and_leaves_no_job(slu
     assert joined > left and all(third in e["replicas"] for e in syncs[joined:])
     assert any(third in e.get("replicas", []) for e in jsonl(rollouts))  # the newcomer served batches
     assert not list((run_dir / "replicas" / "server").glob("*.addr"))  # every replica withdrew its address
-
-
-def test_grpo_slurm_runs_real_sglang_on_the_cpu(slurm_cluster, tiny_run, sglang_python, tmp_path):
-    """`engine: sglang, device: cpu` under sbatch: the server job runs SGLang's own launcher with the SGLang venv's
-    python, which parses the command line and reads the run's key from --config (the key on no command line); it
-    advertises its address once healthy, serves the run (syncs every step, the reference on the trainer), withdraws
-    it, and the trainer job's end cancels it with every process it started (SGLang's scheduler, detokenizer)."""
-    # first: the run's own port and job name (tiny_run's overrides) then apply to this spec
-    tiny_run.overrides[:0] = [f"servers.generation={sglang_on_cpu(sglang_python)}", "servers.reference=local"]
-    submitted = run_script("sbatch", "--parsable", f"--output={tmp_path}/submit-%j.out", "slurm/grpo.slurm", RECIPE,
-                           *tiny_run.set_args)
-    assert submitted.returncode == 0, submitted.stderr
-    submit_job = submitted.stdout.strip().split(";")[0]
-    run_dir = tiny_run.run_dir
-    try:
-        wait_until(lambda: (run_dir / "jobs.env").exists() and "TRAINER_JOB" in (run_dir / "jobs.env").read_text()
-                   or slurm_state(submit_job) not in ("PENDING", "CONFIGURING", "RUNNING"), 120, "grpo.slurm to submit")
-        ids = tiny_run.job_ids()
-        server, trainer = ids["SERVER_JOB"], ids["TRAINER_JOB"]
-        tiny_run.wait_for_no_jobs()
-    finally:
-        subprocess.run(["scancel", submit_job], check=False)
-    logs = run_dir / "logs"
-    served = (logs / f"server-{server}.out").read_text() + (logs / f"server-{server}.err").read_text()
-    key = yaml.safe_load((run_dir / "api_key.yaml").read_text())["api-key"]
-    assert "server_args={" in served and f"'api_key': '{key}'" in served and "'device': 'cpu'" in served, served[-3000:]
-    commands = [line for line in served.splitlines() if re.match(r"\[[\d:]+\] \+ ", line)]  # what the job ran
-    assert commands and not any(key in line for line in commands)
-    assert_trained(tiny_run, logs / f"trainer-{trainer}.out", logs / f"server-{server}.out")  # SGLang logs requests there
-    status = tiny_run.status()
-    assert f"server job {server}: healthy at http://" in status and f"trainer job {trainer}: succeeded" in status
-    assert f"trainer job {trainer}: cancelled server job(s) {server}" in status
-    assert [e["step"] for e in generation_syncs(run_dir)] == [1, 2, 3, 4]
-    assert not list((run_dir / "replicas" / "server").glob("*.addr"))
-    wait_until(lambda: not job_processes(server), 30, "the server job's processes to exit")
 
 
 def start_long_run(run) -> tuple[str, str]:

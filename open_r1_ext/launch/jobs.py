@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 from open_r1_ext.config.arguments import add_recipe_arguments
 from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, SERVER_ROLES, SUBMITIT, TRAINER,
                                            RunFiles, SlurmPlan, argv, role_var)
-from open_r1_ext.launch.local_server import die_with_parent, free_port
+from open_r1_ext.launch.local_server import SharedMemoryFiles, die_with_parent, free_port
 from open_r1_ext.launch.preflight import launch_refused
 from open_r1_ext.launch.run_key import write_run_key
 from open_r1_ext.server_pool import read_addresses
@@ -360,17 +360,28 @@ def rendezvous_port(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
         if ctx.launcher == SUBMITIT and len(ctx.nodes) > 1:
             _write_atomic(path, f"{port}\n")
         return port
+    me = f"trainer job {ctx.job_id}, node {ctx.node_rank}"
+    wait_for(path.is_file, f"{me}: waiting for the rendezvous port of the first node ({ctx.head_node}) in {path}",
+             plan.server_wait_s, f"{me}: no rendezvous port from the first node ({ctx.head_node}) in {path} after "
+                                 f"{plan.server_wait_s:.0f} s (trainer.server_wait_timeout)", echo)
+    return int(path.read_text())
+
+
+def wait_for(ready: Callable[[], bool], waiting: str, timeout: float, timed_out: str, echo: Echo,
+             failed: Callable[[], Optional[str]] = lambda: None) -> None:
+    """Poll `ready` every second until it holds, saying `waiting (N s / T s)` every POLL_S seconds; `LaunchError`
+    with `timed_out` after `timeout` seconds, or with what `failed` says once the wait is pointless."""
     start, next_progress = time.monotonic(), POLL_S
-    while not path.is_file():
-        elapsed = time.monotonic() - start
-        if elapsed > plan.server_wait_s:
-            raise LaunchError(f"trainer job {ctx.job_id}, node {ctx.node_rank}: no rendezvous port from the first node "
-                              f"({ctx.head_node}) in {path} after {plan.server_wait_s:.0f} s (trainer.server_wait_timeout)")
+    while not ready():
+        elapsed, failure = time.monotonic() - start, failed()
+        if failure:
+            raise LaunchError(failure)
+        if elapsed > timeout:
+            raise LaunchError(timed_out)
         if elapsed >= next_progress:
-            echo(f"waiting for the rendezvous port of the first node ({ctx.head_node}) in {path} ({elapsed:.0f} s)")
+            echo(f"{waiting} ({elapsed:.0f} s / {timeout:.0f} s)")
             next_progress += POLL_S
         time.sleep(1.0)
-    return int(path.read_text())
 
 
 def job_args(plan: SlurmPlan) -> list[str]:
@@ -470,13 +481,14 @@ def run_server_job(plan: SlurmPlan, role: str, ctx: JobContext, index: int = 0, 
 
 def _serve(plan: SlurmPlan, role: str, ctx: JobContext, index: int, port: int, me: JobRef, echo: Echo) -> int:
     files, address, lead = plan.files, f"{ctx.head_node}:{port}", ctx.node_rank == 0
-    addr_file, process = files.replica_addr(role, ctx.job_id), None
+    addr_file, process, shared_memory = files.replica_addr(role, ctx.job_id), None, SharedMemoryFiles()
     try:
         if lead:
             _join(files, me, echo)
         process = start_on_nodes(plan, role, ctx, index, port)
         if lead:
             _advertise_when_healthy(plan, process, address, addr_file, me, echo)
+            shared_memory.note(process.pid)  # the server's own processes (under submitit; under sbatch, srun's)
             if _serve_until_trainer_gone(plan, process, me, echo):
                 return 0
         process.wait()
@@ -490,6 +502,7 @@ def _serve(plan: SlurmPlan, role: str, ctx: JobContext, index: int, port: int, m
         if lead and addr_file.is_file() and addr_file.read_text().strip() == address:
             addr_file.unlink()  # withdrawn first: the trainer's pool stops sending to it
         _stop(process)
+        shared_memory.remove()  # what it left in /dev/shm, killed or not
         if lead:
             record(files, f"{me}: stopped", echo)
 
@@ -510,19 +523,15 @@ def _join(files: RunFiles, me: JobRef, echo: Echo) -> None:
 def _advertise_when_healthy(plan: SlurmPlan, process: subprocess.Popen, address: str, addr_file: Path, me: JobRef,
                             echo: Echo) -> None:
     client = SGLangClient(f"http://{address}")  # /health needs no API key
-    start, next_progress = time.monotonic(), POLL_S
-    while not client.is_healthy(timeout=5.0):
-        elapsed = time.monotonic() - start
-        if process.poll() is not None:
-            raise LaunchError(f"{me}: the {me.role} exited (code {process.returncode}) before answering "
-                              f"http://{address}/health; see this job's log")
-        if elapsed > plan.server_wait_s:
-            raise LaunchError(f"{me}: the {me.role} is not healthy after {plan.server_wait_s:.0f} s "
-                              f"(trainer.server_wait_timeout; http://{address}/health)")
-        if elapsed >= next_progress:
-            echo(f"{me}: waiting for http://{address}/health ({elapsed:.0f} s / {plan.server_wait_s:.0f} s)")
-            next_progress += POLL_S
-        time.sleep(1.0)
+    def exited() -> Optional[str]:
+        if process.poll() is None:
+            return None
+        return (f"{me}: the {me.role} exited (code {process.returncode}) before answering http://{address}/health; "
+                "see this job's log")
+
+    wait_for(lambda: client.is_healthy(timeout=5.0), f"{me}: waiting for http://{address}/health", plan.server_wait_s,
+             f"{me}: the {me.role} is not healthy after {plan.server_wait_s:.0f} s (trainer.server_wait_timeout; "
+             f"http://{address}/health)", echo, exited)
     _write_atomic(addr_file, address + "\n")
     record(plan.files, f"{me}: healthy at http://{address}", echo)
 
@@ -728,8 +737,8 @@ def main(cli_args: Optional[list[str]] = None) -> int:
             job.add_argument("--resources-index", type=int, default=0,
                              help="the entry of the spec's resources list this server job has (default 0)")
         if name == "node":
-            job.add_argument("--port", type=int, default=None, help="the port the server job took on its first node, or "
-                                                                    "the trainer job's rendezvous port there")
+            job.add_argument("--port", type=int, default=None,
+                             help="the port the server job took on its first node, or the trainer job's rendezvous port")
     args = parser.parse_args(cli_args)
     try:
         plan = SlurmPlan(load_recipe(args.recipe, args.set), args.set)

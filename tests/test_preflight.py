@@ -174,7 +174,7 @@ def test_an_openai_server_that_cannot_reload_is_refused(tmp_path, tiny_model, se
         openai = [f"servers.generation={{engine: openai, url: {url}}}", "servers.reference=local"]
         syncing = load_recipe(path, openai)
         assert errors(syncing, pf.check_reloads(syncing)) == [
-            f"{path}: servers.generation.url: {url} answers HTTP 404 on /model_info: it cannot reload weights (as "
+            f"{path}: servers.generation.url: {url} does not answer SGLang's /model_info: it cannot reload weights (as "
             "vLLM's and llama.cpp's OpenAI servers; SGLang and the built-in server can), and sync.weight_sync_steps is "
             "1: set sync.weight_sync_steps: 0 (generation then stays on the server's weights), or generate on a server "
             "that reloads (engine: sglang or builtin)"]

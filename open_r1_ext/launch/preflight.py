@@ -402,10 +402,10 @@ def _size(count: float) -> str:
 
 # ----------------------------------------------------------------------------------------- reloads
 def check_reloads(recipe: Recipe) -> list[Finding]:
-    """An OpenAI-compatible generation server (`engine: openai`, `url`) must reload weights when the run syncs them:
-    asked for `/model_info`, the route the trainer reads the served weights' version from (SGLang and the built-in
-    server answer; vLLM's and llama.cpp's OpenAI servers answer 404 and have no reload route)."""
-    from open_r1_ext.sglang_client import SGLangClient, ServerError, ServerRequestError
+    """An OpenAI-compatible generation server (`engine: openai`, `url`) must reload weights when the run syncs them,
+    as the trainer's start-up probe judges it (`openai_client.reloads_weights`: it answers SGLang's `/model_info`)."""
+    from open_r1_ext.openai_client import reloads_weights
+    from open_r1_ext.sglang_client import SGLangClient, ServerError
 
     spec, steps = recipe.servers.generation, recipe.setting("weight_sync_steps")
     if not (isinstance(spec, ServerSpec) and spec.engine == "openai" and spec.url and steps):
@@ -414,15 +414,12 @@ def check_reloads(recipe: Recipe) -> list[Finding]:
     client = SGLangClient(spec.url, api_key=recipe.setting("server_api_key"), request_timeout=PROBE_TIMEOUT_S,
                           max_retries=0)
     try:
-        client.model_info()
-    except ServerRequestError as err:
-        if err.status_code in (401, 403):
-            return [Finding(key, f"{spec.url} wants an API key: set trainer.server_api_key; whether it reloads weights "
-                                 "was not checked", WARNING)]
-        return [Finding(key, f"{spec.url} answers HTTP {err.status_code} on /model_info: it cannot reload weights "
-                             "(as vLLM's and llama.cpp's OpenAI servers; SGLang and the built-in server can), and "
-                             f"sync.weight_sync_steps is {steps}: set sync.weight_sync_steps: 0 (generation then stays "
-                             "on the server's weights), or generate on a server that reloads (engine: sglang or builtin)")]
+        reloads = reloads_weights(client)
     except ServerError as err:
         return [Finding(key, f"{spec.url} did not answer ({err}); whether it reloads weights was not checked", WARNING)]
+    if not reloads:
+        return [Finding(key, f"{spec.url} does not answer SGLang's /model_info: it cannot reload weights (as vLLM's and "
+                             "llama.cpp's OpenAI servers; SGLang and the built-in server can), and "
+                             f"sync.weight_sync_steps is {steps}: set sync.weight_sync_steps: 0 (generation then stays "
+                             "on the server's weights), or generate on a server that reloads (engine: sglang or builtin)")]
     return [Finding(key, f"{spec.url} answers /model_info: it can reload weights", OK)]

@@ -212,7 +212,8 @@ def gpus_asked(spec: ServerSpec) -> int:
     return min(asked, 1) if spec.engine == "builtin" else asked
 
 
-def split_gpus(visible: Sequence[str], asked: Mapping[str, int], trainer_processes: int = 1) -> tuple[list[str], dict[str, list[str]]]:
+def split_gpus(visible: Sequence[str], asked: Mapping[str, int],
+               trainer_processes: int = 1) -> tuple[list[str], dict[str, list[str]]]:
     """`(the trainer's GPUs, {role: its server's GPUs})` of the GPUs `visible` on this machine: each server takes the
     number `asked` from the end, the trainer keeps the rest (the first, where its processes run). ValueError when
     fewer than `trainer_processes` would be left."""

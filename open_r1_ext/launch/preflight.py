@@ -193,7 +193,7 @@ def check_accelerate(recipe: Recipe) -> list[Finding]:
     if kind in GPU_DISTRIBUTED_TYPES and not config.get("use_cpu") and job.gpus_per_node == 0:
         findings.append(Finding(key, f"{path} is for GPUs (distributed_type: {kind}) and slurm.trainer has "
                                      "gpus_per_node: 0: remove accelerate_config (a CPU trainer runs with accelerate's "
-                                     "--cpu), or give the trainer GPUs"))
+                                     "--cpu), or give the trainer GPUs", WARNING))  # gloo may still run it
     gpu_ids = str(config.get("gpu_ids", "all"))
     if gpu_ids != "all" and job.gpus_per_node > 0 and len(gpu_ids.split(",")) < per_node:
         findings.append(Finding(key, f"{path} says gpu_ids: {gpu_ids}, fewer GPUs than the {per_node} trainer "

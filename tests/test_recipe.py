@@ -97,6 +97,8 @@ BAD = [
     (lambda r: r["sync"].update(weight_sync_stepz=2), "sync.weight_sync_stepz", "did you mean 'weight_sync_steps'"),
     (lambda r: r["trainer"].update(weight_sync_steps=2), "trainer.weight_sync_steps", "belongs in the sync: section"),
     (lambda r: r.pop("data"), "data", "missing section"),
+    (lambda r: r["slurm"].update(trainer={"gpus_per_node": 2, "processes_per_node": 4}),
+     "slurm.trainer.processes_per_node", "4 processes on 2 GPU(s) a node: each rank takes the GPU of its local index"),
     # values TRL would take and fail on (or silently ignore) later
     (lambda r: r["trainer"].update(learning_rate=0.0), "trainer.learning_rate", "must be > 0, got 0.0"),
     (lambda r: r["trainer"].update(learning_rate=-1e-3), "trainer.learning_rate", "must be > 0"),

@@ -618,6 +618,7 @@ def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
     _check_values(recipe, problems)
     _check_servers(recipe, problems)
     _check_transport(recipe, problems)
+    _check_trainer_processes(recipe, problems)
     _check_batch(recipe, problems)
     if not problems:
         try:
@@ -963,6 +964,16 @@ def _check_sglang_nodes(spec: ServerSpec, nodes: int, key: str, problems: list) 
     if (spec.tp_size * pp_size) % nodes:
         problems.append((f"{key}.tp_size", f"SGLang needs tp_size x pp_size ({spec.tp_size} x {pp_size}) divisible by "
                                            f"the number of nodes (nnodes={nodes}): change tp_size or resources.nodes"))
+
+
+def _check_trainer_processes(recipe: Recipe, problems: list) -> None:
+    """At most one trainer process a GPU: accelerate gives each rank of a node the GPU of its local index."""
+    job = recipe.slurm.trainer
+    if job.gpus_per_node and job.processes_per_node and job.processes_per_node > job.gpus_per_node:
+        problems.append(("slurm.trainer.processes_per_node",
+                         f"{job.processes_per_node} processes on {job.gpus_per_node} GPU(s) a node: each rank takes the "
+                         "GPU of its local index, so the ranks beyond the GPUs fail at start; set at most "
+                         "gpus_per_node, or remove it for one process per GPU"))
 
 
 def _check_batch(recipe: Recipe, problems: list) -> None:

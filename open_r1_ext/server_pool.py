@@ -26,7 +26,8 @@ import torch
 
 from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.sglang_client import (BUSY, DEFAULT_BACKOFF_FACTOR, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_REQUEST_TIMEOUT,
-                                       HEALTHY, AbortedRequestError, ServerError, ServerRequestError, SGLangClient)
+                                       DOWN, HEALTHY, AbortedRequestError, ServerError, ServerRequestError,
+                                       SGLangClient)
 from open_r1_ext.wait_progress import WaitProgress
 
 logger = logging.getLogger(__name__)
@@ -231,7 +232,9 @@ class ServerPool:
     def _join(self, replica: Replica) -> None:
         """Probe `replica` and bring it to the pool's weights and adapters; then it serves. One that does not answer
         is dropped; one that is busy (SGLang's `/health` waits behind a long reload, e.g. another trainer process
-        catching it up, then answers 503) stays in the pool, joining, and is probed again at the next rescan."""
+        catching it up, then answers 503) stays in the pool, joining, and is probed again at the next rescan. One this
+        pool paused is probed on `/model_info` (`SGLangClient.probe`; its `/health` would hang until the pool continues
+        it, which it waits for) and caught up while paused (SGLang reloads at once then)."""
         found = replica.client.probe(timeout=HEALTH_TIMEOUT)
         if found != HEALTHY:
             with self._lock:
@@ -360,10 +363,16 @@ class ServerPool:
         self._serving(timeout=timeout, progress=progress)
 
     def is_healthy(self, timeout: float = 5.0, route: str = "/health") -> bool:
-        """Whether at least `min_replicas` replicas answer `route` now (one probe each, no waiting)."""
+        """Whether at least `min_replicas` replicas answer `route` now (one probe each, no waiting); one whose
+        connection is refused or reset is gone: dropped. A replica this pool paused is asked `/model_info` instead of
+        `/health` (`SGLangClient.probe`: SGLang's `/health` hangs while paused), so a pause is not taken for a loss."""
         self._refresh()
-        answering = self._each_ready(lambda client: client.is_healthy(timeout=timeout, route=route))
-        return sum(answering.values()) >= self.min_replicas
+        found = self._each_ready(lambda client: client.probe(timeout=timeout, route=route))
+        with self._lock:
+            gone = [self._replicas[name] for name, state in found.items() if state == DOWN and name in self._replicas]
+        for replica in gone:
+            self._drop(replica, ServerError(f"{replica.url}: no connection (refused or reset)"))
+        return sum(state == HEALTHY for state in found.values()) >= self.min_replicas
 
     # ------------------------------------------------------------ metadata
     def model_info(self) -> dict:
@@ -522,9 +531,11 @@ class ServerPool:
         return {"message": f"{len(answers)} replica(s) paused ({mode})", "status": "ok", "replicas": sorted(answers)}
 
     def continue_generation(self) -> dict:
-        """`SGLangClient.continue_generation` on every serving replica at once (a replica that was not paused: a
-        no-op there); one that does not answer is dropped."""
-        answers = self._on_every_replica(lambda client: client.continue_generation(), lambda replica, _: None)
+        """`SGLangClient.continue_generation` on every serving replica and every one this pool paused, whatever its
+        state since (one caught up meanwhile, or dropped but alive, would stay paused for good otherwise), at once (a
+        replica that was not paused: a no-op there); one that does not answer is dropped."""
+        answers = self._on_every_replica(lambda client: client.continue_generation(), lambda replica, _: None,
+                                         paused_too=True)
         return {"message": f"{len(answers)} replica(s) continued", "status": "ok", "replicas": sorted(answers)}
 
     def expect_weights(self, model_path: Optional[str], weight_version: Optional[str] = None, **extra: Any) -> None:
@@ -599,12 +610,14 @@ class ServerPool:
             self._adapters.pop(lora_name, None)
         return {"success": True, "message": f"{len(answers)} replica(s) unloaded adapter {lora_name}", "replicas": answers}
 
-    def _on_every_replica(self, call: Callable[[SGLangClient], T], record: Callable[[Replica, T], None]) -> dict[str, T]:
-        """`call` on every serving replica at once, each under its lock and `record`ed there; replicas that do not
-        answer are dropped; refusals raise one `ServerRequestError` naming each refusing replica."""
+    def _on_every_replica(self, call: Callable[[SGLangClient], T], record: Callable[[Replica, T], None],
+                          paused_too: bool = False) -> dict[str, T]:
+        """`call` on every serving replica (`paused_too`: and every one this pool paused) at once, each under its lock
+        and `record`ed there; replicas that do not answer are dropped; refusals raise one `ServerRequestError` naming
+        each refusing replica."""
         self._serving()
         with self._lock:
-            replicas = [r for r in self._replicas.values() if r.state == SERVING]
+            replicas = [r for r in self._replicas.values() if r.state == SERVING or (paused_too and r.client.paused)]
             self._updating += 1
 
         def one(replica: Replica) -> T:

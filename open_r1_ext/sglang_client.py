@@ -6,8 +6,10 @@ Every call has a timeout; connection errors and 5xx are retried with exponential
 concurrently. Bodies are built and read through `open_r1_ext.protocol` (the one module that knows SGLang's field
 names) and encoded and decoded with orjson (a 32x256 reference answer, ~250 KB, parses in ~1.5 ms instead of ~6 ms
 with `json`). What SGLang 0.5.23 does that a client must guard against is handled here: an aborted item answered
-with HTTP 200 is re-sent, a dump whose manifest does not match its files is never sent for loading, the admin key
-goes to the admin routes only, and `sampling_kwargs` checks sampling settings against SGLang's names.
+with HTTP 200 is re-sent, a dump whose manifest does not match its files is never sent for loading, a token id outside
+the served model's vocabulary is never sent (it kills SGLang's scheduler), `/health` is not asked of a server this
+client paused (it hangs then), the admin key goes to the admin routes only, and `sampling_kwargs` checks sampling
+settings against SGLang's names.
 """
 
 from __future__ import annotations
@@ -105,6 +107,15 @@ class IncompleteDumpError(ServerRequestError):
         super().__init__(message, 400)
 
 
+class OutOfVocabularyError(ServerRequestError):
+    """Token ids outside the served model's vocabulary, refused before they are sent: SGLang 0.5.23 does not check
+    input ids, and one past the vocabulary kills its scheduler (an `IndexError` in the embedding; the whole server
+    exits). (HTTP 400 is what the built-in server answers to the same request.)"""
+
+    def __init__(self, message: str):
+        super().__init__(message, 400)
+
+
 class SGLangClient:
     """A client for an SGLang (or built-in) server.
 
@@ -182,6 +193,8 @@ class SGLangClient:
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         self.admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+        self.paused = False  # this client paused the server's generation (`pause_generation`) and has not continued it
+        self._vocabulary: Optional[tuple[Optional[int], str]] = None  # (size, model), asked at the first request
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, route: str, json: Any = None, timeout: Optional[float] = None,
@@ -248,7 +261,12 @@ class SGLangClient:
         """One look at `route`, no retries (the caller polls): `HEALTHY` (200); `BUSY`, the server answered another
         status or took the connection but not answered within `timeout` (SGLang's `/health` runs a one-token
         generation, at least ~1 s, which waits behind a long reload, then answers 503: `http_server.py` ~721-800);
-        `DOWN`, no connection."""
+        `DOWN`, no connection (refused or reset: the process is gone).
+
+        While this client has the server paused, `/health` is not asked: SGLang's waits for the scheduler, which the
+        pause holds, and never answers; `/model_info` (answered by the HTTP process at once, paused or not) is."""
+        if self.paused and route == "/health":
+            route = "/model_info"
         try:
             status = requests.get(f"{self.base_url}{route}", timeout=(CONNECT_TIMEOUT, timeout),
                                   headers=dict(self.session.headers)).status_code
@@ -299,9 +317,26 @@ class SGLangClient:
     def weight_version(self) -> Optional[str]:
         return self.model_info().get("weight_version")
 
+    def check_token_ids(self, sequences: Sequence[Sequence[int]], what: str = "sequence") -> None:
+        """`OutOfVocabularyError` naming the first id of `sequences` outside the served model's vocabulary
+        (`served_vocabulary`, asked once, at the first request); nothing when the vocabulary cannot be known here."""
+        if self._vocabulary is None:
+            self._vocabulary = served_vocabulary(self.model_info())
+        size, model = self._vocabulary
+        if size is None:
+            return
+        for i, ids in enumerate(sequences):
+            if ids and (min(ids) < 0 or max(ids) >= size):
+                bad = next(t for t in ids if not 0 <= t < size)
+                raise OutOfVocabularyError(
+                    f"not sent to {self.base_url}: token id {bad} of {what} {i} is outside the vocabulary of the model "
+                    f"it serves ({model}: ids 0-{size - 1}); SGLang's scheduler dies on such an id. Tokenize with the "
+                    "served model's tokenizer, or serve a model whose embeddings cover the tokenizer's ids.")
+
     # ------------------------------------------------------------ the work
     def ref_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per-token log-probs `log p(t_i | t_<i)`, i = 1..len-1, of each whole sequence (a reference-model pass)."""
+        self.check_token_ids(sequences)
         results = self._batched_generate(list(sequences), reference_request, [len(s) for s in sequences])
         # One tensor for the whole batch, then split: a single torch.tensor call instead of one per sequence.
         rows = [input_token_logprobs(r) for r in results]
@@ -325,9 +360,11 @@ class SGLangClient:
         server aborted is sent again (see `_batched_generate`), unless `keep_aborted`: then it is returned as it came
         (`finish_reason` "abort", partial), for the caller to judge.
         """
-        items = [list(map(int, p)) for p in prompts for _ in range(n)]
+        prompt_ids = [list(map(int, p)) for p in prompts]
+        items = [ids for ids in prompt_ids for _ in range(n)]
         if seeds is not None and len(seeds) != len(items):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(items)} samples")
+        self.check_token_ids(prompt_ids, "prompt")
         params = [with_seed(sampling, None if seeds is None else seeds[i]) for i in range(len(items))]
         indexed = list(zip(items, params))
         max_new = int(sampling.get("max_new_tokens", 128))
@@ -372,12 +409,16 @@ class SGLangClient:
         """SGLang's `/pause_generation`: `retract` (the requests under way keep their tokens; their KV cache is
         recomputed with the weights served at `continue_generation`, so the tokens after it come from those weights,
         and each answer's `weight_versions` says which tokens came from which), `in_place` (they keep their KV cache)
-        or `abort` (they end, `finish_reason` abort). Requests sent meanwhile wait; a reload runs at once."""
+        or `abort` (they end, `finish_reason` abort). Requests sent meanwhile wait; a reload runs at once. Until
+        `continue_generation`, `probe` asks `/model_info` instead of `/health` (which hangs while paused)."""
+        self.paused = True  # from the request on: a pause whose answer is lost may still be in force
         return self.post_json("/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> dict:
         """SGLang's `/continue_generation`: what `pause_generation` held goes on (a no-op when not paused)."""
-        return self.post_json("/continue_generation", {})
+        answer = self.post_json("/continue_generation", {})
+        self.paused = False
+        return answer
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """Load the PEFT adapter directory `lora_path` (one the server can read) under the name `lora_name`, which
@@ -455,6 +496,28 @@ def _check_dump(path: str, url: str) -> None:
             check_reloadable(Path(path))
         except WeightFileError as err:
             raise IncompleteDumpError(f"not asking {url} to load an incomplete dump: {err}") from err
+
+
+def served_vocabulary(model_info: dict) -> tuple[Optional[int], str]:
+    """`(vocabulary size, model)` of the model a server serves, from its `/model_info`: neither SGLang 0.5.23 nor the
+    built-in server reports the size there (nor in `/server_info`), so it is read from the model's config (the text
+    model's `vocab_size`, as SGLang's `ModelConfig` takes it) at `model_path` (after a reload the dump, which carries
+    the config) or else `tokenizer_path` (the model it started with), a directory or a Hub id already in this
+    machine's cache. `(None, ...)` when neither is readable here."""
+    from transformers import AutoConfig
+
+    for key in ("model_path", "tokenizer_path"):
+        path = model_info.get(key)
+        if not path:
+            continue
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):
+            continue
+        return int(config.get_text_config().vocab_size), str(path)
+    logger.warning("the served model's config (%s) is not readable here: token ids are not checked against its "
+                   "vocabulary before they are sent", model_info.get("model_path"))
+    return None, str(model_info.get("model_path"))
 
 
 def _aborted(result: dict) -> bool:

@@ -2,9 +2,12 @@
 
 The spreading, failover, joining and weight-tracking logic runs against stand-in SGLang servers (tests/fake_sglang.py:
 real HTTP, a fixed function of the prompt, every call recorded; replicas that go down, come back or reload slowly on
-demand, which real SGLang processes cannot be made to do from outside); the training runs use real built-in servers.
+demand, which real SGLang processes cannot be made to do from outside); the training runs use real built-in servers;
+replicas paused (`/pause_generation`, under which SGLang's `/health` hangs) run on both servers, SGLang's real.
 """
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +19,7 @@ from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer, cli
 from open_r1_ext.config.recipe import load_recipe
-from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.launch.local_server import BuiltinServer, SGLangServer
 from open_r1_ext.server_pool import NoReplicaError, ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.train import pool_settings
@@ -243,6 +246,48 @@ def test_a_refused_reload_names_the_replica():
         pool = ServerPool([a.url, b.url])
         with pytest.raises(ServerRequestError, match=f"1 of 2 generation replica.*{b.url}.*cannot read the dump"):
             pool.update_weights_from_disk("/dumps/step-1", weight_version="1")
+
+
+# ------------------------------------------------------------------ paused replicas (SGLang's /health hangs then)
+def test_a_paused_replica_stays_in_the_pool_and_is_caught_up_while_paused(any_server, tiny_model, other_tiny_model,
+                                                                          monkeypatch):
+    """The pool pauses its replica (as in-flight updates do) and checks its health over several rescans: it serves
+    on. Then it is reloaded behind the pool's back (another process, or a restart) while still paused: the pool probes
+    it, catches it up, paused, and continues it. (SGLang's `/health` gives no answer while paused; the built-in
+    server's answers, so there the pool would hold on without the fix too.)"""
+    monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.5)
+    pool = ServerPool([any_server.url], wait_timeout=30, request_timeout=60)
+    pool.update_weights_from_disk(str(tiny_model), weight_version="1")
+    pool.pause_generation()
+    start = time.monotonic()
+    while time.monotonic() - start < 4 * 0.5:  # four rescan periods, each a health check of the paused replica
+        assert pool.is_healthy(timeout=2.0)
+        assert pool.replicas() == {any_server.url: "serving"}
+    SGLangClient(any_server.url).update_weights_from_disk(str(other_tiny_model), weight_version="other")
+    assert pool.weight_version() == "1"  # found behind, caught up while paused
+    assert pool.replicas() == {any_server.url: "serving"}
+    assert pool.continue_generation()["replicas"] == [any_server.url]
+    (completion,), = pool.generate([[1, 2]], {"max_new_tokens": 2, "ignore_eos": True})
+    assert completion.weight_version == "1"
+
+
+@pytest.mark.parametrize("engine", ["builtin", "sglang"])
+def test_a_killed_paused_replica_leaves_the_pool(engine, tiny_model, sglang_python, tmp_path):
+    """A replica SIGKILLed (its whole process group) while the pool has it paused: the pool's next health check finds
+    the connection refused and drops it; continuing then waits for replicas and names it."""
+    log = str(tmp_path / "server.log")
+    replica = BuiltinServer(str(tiny_model), log_path=log) if engine == "builtin" else SGLangServer(
+        str(tiny_model), python=sglang_python, log_path=log)
+    with replica:
+        pool = ServerPool([replica.url], wait_timeout=2)
+        pool.pause_generation()
+        assert pool.is_healthy(timeout=2.0) and pool.replicas() == {replica.url: "serving"}
+        os.killpg(replica.process.pid, signal.SIGKILL)
+        replica.process.wait()
+        assert not pool.is_healthy(timeout=2.0)
+        assert pool.replicas() == {replica.url: "dropped"}
+        with pytest.raises(NoReplicaError, match=rf"lost: {replica.url}: .*no connection \(refused or reset\)"):
+            pool.continue_generation()
 
 
 # ---------------------------------------------------------------------------------------- training on a real pool

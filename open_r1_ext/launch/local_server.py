@@ -1,5 +1,5 @@
 """Start and stop a server as a child process, on a free port, with its log in a file: the built-in server, or real
-SGLang on this machine's CPU.
+SGLang on this machine's CPU; once it has ended, the shared-memory files it left in /dev/shm are removed.
 
 Used by `make demo`, the local launcher and the tests: `with BuiltinServer(model_path) as server: server.url`,
 `with SGLangServer(model_path, python=".venv-sglang/bin/python") as server: ...`.
@@ -7,6 +7,7 @@ Used by `make demo`, the local launcher and the tests: `with BuiltinServer(model
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -17,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
+
+import psutil
 
 from open_r1_ext.sglang_client import SGLangClient, ServerError
 from open_r1_ext.wait_progress import WaitProgress
@@ -31,6 +34,68 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+SHARED_MEMORY = Path("/dev/shm")
+PROCESS_EXIT_WAIT_S = 10.0  # how long the server's processes may take to go once its first process ended
+
+
+class SharedMemoryFiles:
+    """The files in /dev/shm of one server's processes: noted while they run (`note`), removed once every one of them
+    is gone (`remove`). A SIGKILLed SGLang leaves its `sem.mp-*` (a multiprocessing lock) and `sglang_loads_*.shm`
+    there (its own unlink paths never run), and they pile up until /dev/shm is full. Only the files one of the
+    server's processes maps or holds open are noted (by inode: glibc maps a semaphore under the temporary name it
+    created it with, then links it to its `sem.*` name), so another process's files are never touched."""
+
+    def __init__(self):
+        self.files: dict[str, int] = {}  # path -> inode
+        self.processes: dict[int, psutil.Process] = {}
+
+    def note(self, pid: int) -> None:
+        """Note process `pid` and its descendants, and the /dev/shm files they map or hold open now."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(pid)
+            for process in [root, *root.children(recursive=True)]:
+                self.processes[process.pid] = process
+        device, held = os.stat(SHARED_MEMORY).st_dev, set()
+        for pid in self.processes:
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith(f"{SHARED_MEMORY}/"):
+                        held.add(int(fields[4]))
+            with contextlib.suppress(OSError):
+                for fd in os.scandir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        found = os.stat(fd.path)
+                        if found.st_dev == device:
+                            held.add(found.st_ino)
+        self.files.update({entry.path: entry.inode() for entry in os.scandir(SHARED_MEMORY) if entry.inode() in held})
+
+    def remove(self) -> list[str]:
+        """Once every noted process is gone (waited for up to `PROCESS_EXIT_WAIT_S`), remove the noted files still
+        there (the same inode: not a new file of the same name); the paths removed."""
+        deadline = time.monotonic() + PROCESS_EXIT_WAIT_S
+        while any(map(_running, self.processes.values())):
+            if time.monotonic() > deadline:
+                return []  # still running: its files are in use
+            time.sleep(0.1)
+        removed = []
+        for path, inode in self.files.items():
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+                    removed.append(path)
+        self.files, self.processes = {}, {}
+        return removed
+
+
+def _running(process: psutil.Process) -> bool:
+    """Whether `process` (the same one: psutil checks its start time) still runs; a zombie holds no memory."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class LocalServer:
@@ -57,6 +122,7 @@ class LocalServer:
         self.extra_args = tuple(extra_args)
         self.startup_timeout = startup_timeout
         self.process: Optional[subprocess.Popen] = None
+        self.shared_memory = SharedMemoryFiles()
         self._launched_at = 0.0
 
     @property
@@ -98,17 +164,23 @@ class LocalServer:
                     raise ServerError(f"{self.name} for {self.model_path} not healthy after {self.startup_timeout:.0f} s{where}")
                 time.sleep(0.25)
                 waiting.update()
+        self.shared_memory.note(self.process.pid)
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """Send `sig` to the server's process group (SIGKILL after 15 s), then remove the shared-memory files its
+        processes left (also when it had ended already, e.g. killed from outside)."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, sig)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process.poll() is None:
+            self.shared_memory.note(self.process.pid)
+            os.killpg(self.process.pid, sig)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.shared_memory.remove()
 
     def __enter__(self) -> "LocalServer":
         return self.start()

@@ -31,7 +31,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.openai_client import OpenAICompletionsClient
 from open_r1_ext.server_pool import ServerPool
-from open_r1_ext.sglang_client import ServerError, SGLangClient
+from open_r1_ext.sglang_client import ServerError, SGLangClient, served_vocabulary
 from open_r1_ext.trainer.generation import remote_generation, server_client
 from open_r1_ext.trainer.inflight import InFlightGeneration
 from open_r1_ext.trainer.reference_prefetch import ReferencePrefetch
@@ -192,7 +192,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
             if client is None:
                 continue
             client.wait_until_healthy(timeout=self.args.server_wait_timeout, progress=progress)
-            mismatch = describe_model_mismatch(client.model_info(), self.model.config, len(self.processing_class))
+            mismatch = describe_model_mismatch(client.model_info(), self.model.config, self.processing_class)
             if mismatch:
                 raise ValueError(f"The {role} server at {client.base_url} serves another model than the trainer's: {mismatch}")
         if (isinstance(generation_client, OpenAICompletionsClient) and self.remote_generation.target is not None
@@ -633,15 +633,19 @@ def completion_logps(scored: list[torch.Tensor], input_ids: torch.Tensor, attent
     return out.to(input_ids.device)
 
 
-def describe_model_mismatch(model_info: dict, config, tokenizer_size: int) -> Optional[str]:
-    """What differs between a server's `/model_info` and the trainer's model, or None if nothing we can see
-    (SGLang reports `model_type` and `architectures`; the built-in server adds `vocab_size`)."""
+def describe_model_mismatch(model_info: dict, config, tokenizer) -> Optional[str]:
+    """What differs between a server's `/model_info` (`model_type`, `architectures`; the vocabulary size from the
+    served model's config, `served_vocabulary`) and the trainer's model and tokenizer, or None if nothing we can see.
+    A tokenizer with more tokens than the served vocabulary could send ids that kill SGLang's scheduler."""
     problems = []
-    vocab = model_info.get("vocab_size")
+    vocab, served = served_vocabulary(model_info) if model_info else (None, "")
     if vocab is not None and vocab != config.vocab_size:
         problems.append(f"vocabulary size {vocab} on the server, {config.vocab_size} in the trainer's model")
-    if vocab is not None and tokenizer_size > vocab:
-        problems.append(f"the trainer's tokenizer has {tokenizer_size} tokens, more than the server's vocabulary ({vocab})")
+    if vocab is not None and len(tokenizer) > vocab:
+        problems.append(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')} has {len(tokenizer)} tokens (added "
+                        f"tokens included), more than the {vocab} of the served model {served}: an id past "
+                        f"{vocab - 1} would kill SGLang's scheduler. Serve a model whose embeddings cover the "
+                        "tokenizer (resize_token_embeddings, then save it), or use the model's own tokenizer")
     server_type = model_info.get("model_type")
     if server_type is not None and server_type != getattr(config, "model_type", None):
         problems.append(f"model_type {server_type!r} on the server, {config.model_type!r} in the trainer")

@@ -1,0 +1,86 @@
+"""What would kill a real SGLang 0.5.23 server (on the CPU here) is never sent, and what a killed one leaves is cleaned
+up: a token id past the served model's vocabulary (its scheduler dies of an `IndexError`, and the whole server with
+it) is refused by the trainer at start-up (a tokenizer larger than the served vocabulary) and by the client before any
+request leaves; a SIGKILLed SGLang's files in /dev/shm (`sem.mp-*`, `sglang_loads_*.shm`) are removed once it is gone,
+and only its own. The vocabulary checks run on the built-in server too (it answers such ids with HTTP 400)."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import requests
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.launch.local_server import SGLangServer, SharedMemoryFiles
+from open_r1_ext.sglang_client import OutOfVocabularyError, SGLangClient
+from tests.helpers import reward_len, tiny_config
+
+# Tokens added to the tiny tokenizer: ids 300-339, past the model's 300. SGLang pads its embedding to a multiple of 64
+# rows: an id in 300-319 reads a padding row (garbage, silently), one from 320 on kills its scheduler.
+ADDED = [f"<tool_{i}>" for i in range(40)]
+
+
+@pytest.fixture(scope="module", params=("builtin", "sglang"))
+def own_server(request):
+    """The module's own server of each kind (not the session's shared SGLang: a test here that fails kills it)."""
+    return request.getfixturevalue("server" if request.param == "builtin" else "sglang_server")
+
+
+@pytest.fixture(scope="module")
+def larger_tokenizer(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model's tokenizer with 40 tokens added (340 in all), its model left at a vocabulary of 300."""
+    tokenizer, directory = AutoTokenizer.from_pretrained(tiny_model), tmp_path_factory.mktemp("larger-tokenizer")
+    tokenizer.add_tokens(ADDED)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def healthy(url: str) -> bool:
+    return requests.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_a_tokenizer_larger_than_the_served_vocabulary_is_refused_at_start_up(own_server, tiny_model, larger_tokenizer,
+                                                                             tmp_path):
+    """The prompts use the added tokens: without the check the first batch would carry ids 320-327 to the server."""
+    prompts = Dataset.from_list([{"prompt": f"{ADDED[20 + i]} What is {i} + {i}?"} for i in range(8)])
+    args = tiny_config(tmp_path, generation_url=own_server.url, max_steps=1)
+    with pytest.raises(ValueError, match=rf"the tokenizer {larger_tokenizer} has 340 tokens \(added tokens included\), "
+                                         rf"more than the 300 of the served model {tiny_model}"):
+        trainer = RemoteGRPOTrainer(model=str(tiny_model), processing_class=AutoTokenizer.from_pretrained(larger_tokenizer),
+                                    reward_funcs=reward_len, args=args, train_dataset=prompts)
+        trainer.train()
+    assert healthy(own_server.url)
+
+
+def test_token_ids_outside_the_served_vocabulary_are_never_sent(own_server):
+    client = SGLangClient(own_server.url, max_retries=0)
+    with pytest.raises(OutOfVocabularyError, match=rf"not sent to {own_server.url}: token id 300 of prompt 1 is outside "
+                                                   r"the vocabulary of the model it serves \(.*: ids 0-299\)"):
+        client.generate([[1, 2], [5, 300, 6], [320]], {"max_new_tokens": 2})
+    with pytest.raises(OutOfVocabularyError, match="token id -1 of sequence 0"):
+        client.ref_logprobs([[1, -1, 2]])
+    assert healthy(own_server.url)
+    (completion,), = client.generate([[5, 299, 6]], {"max_new_tokens": 2, "ignore_eos": True})  # the last id is fine
+    assert len(completion.token_ids) == 2
+
+
+def test_a_killed_sglang_server_leaves_no_shared_memory_file_and_another_servers_stay(tiny_model, sglang_python,
+                                                                                      sglang_server, tmp_path):
+    """SIGKILL to the server's whole process group (its launcher, scheduler, detokenizer and their resource tracker),
+    as the OOM killer or a node's cleanup would: SGLang's own unlinks never run. Another SGLang serves meanwhile."""
+    other = SharedMemoryFiles()
+    other.note(sglang_server.process.pid)
+    assert other.files  # the other server has files there too, which must stay
+    victim = SGLangServer(str(tiny_model), python=sglang_python, log_path=str(tmp_path / "victim.log")).start()
+    left = victim.shared_memory.files
+    assert sorted(Path(path).name[:7] for path in left) == ["sem.mp-", "sglang_"]  # sem.mp-*, sglang_loads_*.shm
+    os.killpg(victim.process.pid, signal.SIGKILL)
+    victim.process.wait()
+    assert all(os.path.exists(path) for path in left)  # SGLang removed none of them
+    victim.stop()  # the server is gone: its files go
+    assert not [path for path in left if os.path.exists(path)]
+    assert all(os.stat(path).st_ino == inode for path, inode in other.files.items())
+    assert healthy(sglang_server.url)

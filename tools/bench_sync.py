@@ -38,6 +38,11 @@ Target: ours / bare <= 1.3. Each part of ours is reported (save, reload; the rel
 process on the same files to split it; the seal's checksums and fsync), with the throughput of other checksums on
 the dump and what-if ratios (the checksums, or the whole seal, on the critical path before the rename; sha256
 instead of xxh3), so the cost of each choice is visible.
+Reads of a dump (issue 32), ours vs through a mapping, on the same dump in the page cache, in rotated rounds, medians:
+the seal's checksums of every file (`weight_files.checksum_of`: plain reads of 4 MiB into one buffer, xxh3's streaming
+API; the former way: xxh3-128 of an mmap of the file, which a file that shrinks under it turns into SIGBUS; target:
+ours within 10%), and the built-in server's load of the shards with the copy into its parameters
+(`weight_files.read_shard`: the bytes read, then `safetensors.torch.load`; the former way: `load_file`, a mapping).
 The disk's sequential write bandwidth is measured in the same run (`dd bs=4M conv=fsync`-style, a file of the
 dump's size) and set against the dump's write throughput (bytes / (save + fsync)).
 
@@ -46,10 +51,10 @@ pages of the previous side are not written back inside it, and reads its files b
 server does), with no `sync` in between. Medians are reported. Dumps go to a temporary
 directory under /tmp, or under `--dir` (put it on the file system the dumps would use).
 
-    python tools/bench_sync.py [--quick] [--json FILE] [--dir DIR] [--model-dir DIR]
+    python tools/bench_sync.py [--quick] [--reads] [--json FILE] [--dir DIR] [--model-dir DIR]
 
 `--quick` (about a minute on 2 CPU cores) runs the tiny model (a ~0.4 MB dump), two repeats: it checks the
-harness only. `--json FILE` writes every figure under a stable key, e.g. `sync.ratio`, `sync.ours.checksum_s` or
+harness only. `--reads` measures the reads of a dump alone (`sync.reads.*`, 9 rounds). `--json FILE` writes every figure under a stable key, e.g. `sync.ratio`, `sync.ours.checksum_s` or
 `sync.zero3.bucket_eighth.peak_extra_fraction`, `sync.lora.bytes_ratio` (`sync.ours.save_pretrained_s` is the shard writes: the name dates
 from when a dump called `save_pretrained`).
 """
@@ -60,6 +65,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -92,6 +98,8 @@ from open_r1_ext.launch.local_server import BuiltinServer, free_port  # noqa: E4
 RATIO_TARGET = 1.3
 DISTRIBUTED_TARGET = 1.0  # seconds per sync over the network / through the disk (page cache), one replica
 REPLICAS_TARGET = 1.2  # seconds per sync over the network, two replicas / one
+READS_TARGET = 1.1  # seconds of the seal's checksums, plain reads / through a mapping (the way before issue 32)
+READ_SIDES = ("checksum_reads", "checksum_mapped", "load_reads", "load_mapped")
 NETWORK_SIDES = ("disk_one", "disk_one_cold", "disk_two", "distributed_one", "distributed_two", "spanning_two")
 MEMORY_TARGET = 0.3  # peak extra resident memory of a ZeRO-3 dump per rank / model bytes, buckets of 1/8
 WRITERS_TARGET = 0.75  # ZeRO-3 dump wall time, two writers / one
@@ -121,6 +129,7 @@ class Setup:
 
 FULL = Setup(size="100m", repeats=5)
 QUICK = Setup(size="tiny", repeats=2)
+READS = Setup(size="100m", repeats=9)
 
 
 class Stopwatch:
@@ -207,7 +216,7 @@ def ours(model, sync: "weight_sync.WeightSync", work: Path, client: SGLangClient
     with watch.part("replay_manifest"):
         weight_files.check_manifest(directory, checksums=False)
     with watch.part("replay_load"):
-        tensors = {k: v for shard in weight_files.safetensors_files(directory) for k, v in load_file(str(shard)).items()}
+        tensors = {k: v for shard in weight_files.safetensors_files(directory) for k, v in weight_files.read_shard(shard).items()}
     with watch.part("replay_copy"):
         copy_into(model, tensors)
     shutil.rmtree(directory)
@@ -253,6 +262,76 @@ def checksum_throughputs(work: Path, state: dict[str, torch.Tensor]) -> dict[str
     return rates
 
 
+def mapped_checksum(path: Path) -> str:
+    """xxh3-128 of a file through a mapping: how the seal hashed before issue 32 (SIGBUS if the file shrinks)."""
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        return xxhash.xxh3_128(mapped).hexdigest()
+
+
+def read_figures(model, sync: "weight_sync.WeightSync", repeats: int) -> dict:
+    """Seconds of the reads of one dump (in the page cache), ours vs through a mapping, in rotated rounds, medians:
+    the seal's checksums of every file, and the built-in server's load of the shards + copy into its parameters."""
+    directory = sync.dump(model, 0)
+    files = {directory / name: entry["size"] for name, entry in
+             json.loads((directory / weight_files.MANIFEST).read_text())["files"].items()}
+    shards = weight_files.safetensors_files(directory)
+    assert [weight_files.checksum_of(path, size) for path, size in files.items()] == [mapped_checksum(p) for p in files]
+
+    def timed_s(fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    sides = {
+        "checksum_reads": lambda: timed_s(lambda: [weight_files.checksum_of(path, size) for path, size in files.items()]),
+        "checksum_mapped": lambda: timed_s(lambda: [mapped_checksum(path) for path in files]),
+        "load_reads": lambda: timed_s(lambda: [copy_into(model, weight_files.read_shard(p)) for p in shards]),
+        "load_mapped": lambda: timed_s(lambda: [copy_into(model, load_file(str(p))) for p in shards]),
+    }
+    samples = dict(zip(READ_SIDES, rounds([sides[name] for name in READ_SIDES], repeats)))
+    shutil.rmtree(directory)
+    bytes_read = sum(files.values())
+    figures: dict = {"sync.reads.bytes": bytes_read, "sync.reads.repeats": repeats}
+    for name, values in samples.items():
+        figures[f"sync.reads.{name}_s"] = statistics.median(values)
+        figures[f"sync.reads.{name}_samples_s"] = values
+        figures[f"sync.reads.{name}_bytes_per_s"] = bytes_read / statistics.median(values)
+    ratio = figures["sync.reads.checksum_reads_s"] / figures["sync.reads.checksum_mapped_s"]
+    figures.update({"sync.reads.checksum_ratio": ratio, "sync.reads.checksum_target": READS_TARGET,
+                    "sync.reads.checksum_met": ratio <= READS_TARGET,
+                    "sync.reads.load_ratio": figures["sync.reads.load_reads_s"] / figures["sync.reads.load_mapped_s"]})
+    return figures
+
+
+def reads_table(f: dict) -> str:
+    """The rows of `read_figures`."""
+    r, mb = "sync.reads", f["sync.reads.bytes"] / MB
+
+    def row(what: str, ours: str, mapped: str, ratio: float, target: str, met: str) -> tuple:
+        return (what, f"{f[f'{r}.{ours}_s']:.3f} s ({f[f'{r}.{ours}_bytes_per_s'] / MB:,.0f} MB/s)",
+                f"{f[f'{r}.{mapped}_s']:.3f} s ({f[f'{r}.{mapped}_bytes_per_s'] / MB:,.0f} MB/s)", f"{ratio:.2f}",
+                target, met, " ".join(f"{x:.3f}" for x in f[f"{r}.{ours}_samples_s"]) + " / "
+                + " ".join(f"{x:.3f}" for x in f[f"{r}.{mapped}_samples_s"]))
+
+    return markdown_table(
+        (f"reads of a {mb:,.1f} MB dump in the page cache (median of {f[f'{r}.repeats']})", "plain reads (ours)",
+         "through a mapping (before)", "ratio", "target", "met", "samples, ours / before (s)"),
+        [row("seal: xxh3-128 of every file", "checksum_reads", "checksum_mapped", f[f"{r}.checksum_ratio"],
+             f"<= {READS_TARGET:g}", verdict(f[f"{r}.checksum_met"])),
+         row("built-in server: load the shards + copy into the parameters", "load_reads", "load_mapped",
+             f[f"{r}.load_ratio"], "-", "-")])
+
+
+def measure_reads(models_root: Path, work: Path, setup: Setup) -> dict:
+    """`--reads`: `read_figures` alone, on the model of `setup` dumped by `WeightSync` as in a run."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir(models_root, setup.size), dtype=torch.float32)
+    sync = weight_sync.WeightSync(Accelerator(cpu=True), str(work), 0, str(work / "weight_sync.jsonl"), [])
+    return {"sync.model": setup.size, **read_figures(model, sync, setup.repeats)}
+
+
 def measure(models_root: Path, work: Path, setup: Setup) -> dict:
     from transformers import AutoModelForCausalLM
     from accelerate import Accelerator
@@ -279,6 +358,7 @@ def measure(models_root: Path, work: Path, setup: Setup) -> dict:
                 for name, side in sides if rep % 2 == 0 else sides[::-1]:
                     runs[name].append(side())
             starting.join()
+            reads = read_figures(model, sync, setup.repeats)
             network = network_figures(model, work, [server.url, second.url], setup.repeats)
             lora = lora_figures(path, work, client, setup.repeats)
             zero3 = zero3_figures(path, work, setup.repeats, server.url)
@@ -286,6 +366,7 @@ def measure(models_root: Path, work: Path, setup: Setup) -> dict:
         starting.join()
         second.stop()
     figures = summarize(runs, checksum_throughputs(work, state), dump_bytes, setup)
+    figures.update(reads)
     figures.update(network)
     figures.update(lora)
     figures.update(zero3)
@@ -642,7 +723,7 @@ def tables(f: dict) -> str:
         ("ours", "the rest: walking the buckets, index, config files, manifest of sizes, rename", "other"),
         ("ours", "reload over HTTP (server: manifest sizes, load, copy)", "reload"),
         ("ours", "... its manifest check (replayed here on the same files)", "reload_manifest"),
-        ("ours", "... its load_file (replayed here)", "reload_load"),
+        ("ours", "... its read of the shards, read_shard (replayed here)", "reload_load"),
         ("ours", "... its copy into the parameters (replayed here)", "reload_copy"),
         ("ours", "... the rest: HTTP, queueing (a median of differences: < 0 is noise)", "reload_rest"),
         ("bare", "save_file", "save"),
@@ -684,7 +765,8 @@ def tables(f: dict) -> str:
           f"{f['sync.lora.merged_s']:.3f} s", f"{f['sync.lora.seconds_ratio']:.2f}", f"<= {LORA_SECONDS_TARGET:g}",
           verdict(f["sync.lora.seconds_met"]))],
     )
-    return f"{main}\n\n{components}\n\n{background}\n\n{what_if}\n\n{zero3}\n\n{lora}\n\n{network_table(f)}"
+    return (f"{main}\n\n{components}\n\n{background}\n\n{what_if}\n\n{reads_table(f)}\n\n{zero3}\n\n{lora}\n\n"
+            f"{network_table(f)}")
 
 
 def network_table(f: dict) -> str:
@@ -720,6 +802,9 @@ def network_table(f: dict) -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, two repeats (under a minute)")
+    parser.add_argument("--reads", action="store_true",
+                        help="only the reads of a dump (the seal's checksums, the built-in server's load), ours vs "
+                             "through a mapping: 100M model, 9 rounds")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure and ratio to this file")
     parser.add_argument("--dir", type=Path, default=None,
                         help="write the dumps under this directory (default: a temp dir in /tmp)")
@@ -738,19 +823,24 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     started = time.perf_counter()
     facts = machine_facts(args.quick)
-    setup = QUICK if args.quick else FULL
+    setup = QUICK if args.quick else READS if args.reads else FULL
     with tempfile.TemporaryDirectory(prefix="bench_sync-", dir=args.dir) as tmp:
         work = Path(tmp)
-        figures = measure(args.model_dir or work, work, setup)
+        figures = (measure_reads if args.reads else measure)(args.model_dir or work, work, setup)
     facts.update({"machine.load_average_1m_end": os.getloadavg()[0], "wall_s": time.perf_counter() - started})
     figures.update(facts)
     figures["config.dir"] = str(args.dir or tempfile.gettempdir())
 
     print(header(facts) + f", at end: {facts['machine.load_average_1m_end']:.2f}; wall time: {facts['wall_s']:.1f} s")
-    print(f"model: {setup.size}; dumps under {figures['config.dir']}; {setup.repeats} repeats, alternating; "
-          "server: built-in, --no-ref-slot, --enable-lora, float32")
-    print()
-    print(tables(figures))
+    if args.reads:
+        print(f"model: {setup.size}; dumps under {figures['config.dir']}; {setup.repeats} rounds, rotated; float32")
+        print()
+        print(reads_table(figures))
+    else:
+        print(f"model: {setup.size}; dumps under {figures['config.dir']}; {setup.repeats} repeats, alternating; "
+              "server: built-in, --no-ref-slot, --enable-lora, float32")
+        print()
+        print(tables(figures))
     if args.json is not None:
         write_json(args.json, figures)
 

@@ -27,7 +27,7 @@ from open_r1_ext.protocol import SGLANG_VERSION
 ERROR, WARNING, OK = "error", "warning", "ok"
 IMPORT_TIMEOUT_S = 120.0  # an engine's import (SGLang's: ~7 s on 2 busy cores)
 PROBE_TIMEOUT_S = 10.0
-# the module a server job runs, per engine; its package's __version__ is reported
+# the package a server job runs, per engine, imported by the server's interpreter; its __version__ is reported
 ENGINE_MODULES = {"sglang": "sglang", "builtin": "open_r1_ext"}
 SGLANG_INSTALL = "python3 -m venv .venv-sglang && .venv-sglang/bin/pip install sglang==" + SGLANG_VERSION
 NODE_LOCAL_FS = {"tmpfs", "ramfs", "devtmpfs"}
@@ -98,13 +98,13 @@ def _engine_run(spec: ServerSpec) -> tuple[str, str, bool]:
 
 @functools.cache
 def import_engine(python: str, module: str, on_cpu: bool = False) -> tuple[Optional[str], str]:
-    """`(version, "")` once `python` imported `module` (its package's `__version__`), else `(None, why not)`."""
+    """`(version, "")` once `python` imported `module` (its `__version__`), else `(None, why not)`."""
     env = dict(os.environ, **(SGLANG_CPU_ENV if on_cpu else {}))
-    code = "import importlib, sys; importlib.import_module(sys.argv[1]); print(importlib.import_module(sys.argv[2]).__version__)"
+    code = "import importlib, sys; print(importlib.import_module(sys.argv[1]).__version__)"
     try:
-        done = subprocess.run([python, "-c", code, module, module.split(".")[0]], capture_output=True, text=True,
-                              env=env, timeout=IMPORT_TIMEOUT_S)
-    except (FileNotFoundError, PermissionError) as err:
+        done = subprocess.run([python, "-c", code, module], capture_output=True, text=True, env=env,
+                              timeout=IMPORT_TIMEOUT_S)
+    except OSError as err:  # not found, not executable, not a program
         return None, f"cannot be run: {err.strerror}"
     except subprocess.TimeoutExpired:
         return None, f"did not import {module} within {IMPORT_TIMEOUT_S:.0f} s"
@@ -127,7 +127,7 @@ def _engine_finding(role: str, spec: ServerSpec, imported: tuple[Optional[str], 
         return Finding(key, f"{python} has sglang {version}; this project supports sglang {SGLANG_VERSION} (its protocol "
                             f"and workarounds follow that release): {python} -m pip install sglang=={SGLANG_VERSION}, "
                             f"or {fix}")
-    return Finding(key, f"{python} imports {module} ({module.split('.')[0]} {version})", OK)
+    return Finding(key, f"{python} imports {module} ({module} {version})", OK)
 
 
 # ------------------------------------------------------------------------------------------- report_to

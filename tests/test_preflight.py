@@ -14,7 +14,7 @@ import pytest
 import yaml
 from huggingface_hub import constants
 
-from open_r1_ext.config.recipe import load_recipe
+from open_r1_ext.config.recipe import INSTALLS, load_recipe
 from open_r1_ext.launch import preflight as pf
 from open_r1_ext.protocol import SGLANG_VERSION
 from tests.helpers import REPO, JsonHandler, http_server, tiny_recipe
@@ -61,8 +61,9 @@ def test_a_server_interpreter_without_its_engine_is_refused_and_sglangs_version_
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert (f"{recipes[0]}: servers.generation.python: {python} cannot import sglang: ModuleNotFoundError: No module "
-            "named 'sglang': give servers.generation.python the interpreter of SGLang's venv, made by: python3 -m venv "
-            f".venv-sglang && .venv-sglang/bin/pip install sglang=={SGLANG_VERSION}") in result.stderr.splitlines()
+            f"named 'sglang': give servers.generation.python the python of a venv that has the sglang server "
+            f"({INSTALLS['sglang']})") in result.stderr.splitlines()
+    assert f".venv-sglang/bin/pip install sglang=={SGLANG_VERSION}" in INSTALLS["sglang"]  # the fix, as the README says
     assert (f"{recipes[1]}: servers.generation.python: ok: {sglang_python} imports sglang (sglang {SGLANG_VERSION})"
             in result.stdout.splitlines()), result.stdout
     assert not [line for line in result.stderr.splitlines() if line.startswith(f"{recipes[1]}: ") and ": warning: " not in line]
@@ -78,8 +79,8 @@ def test_an_sglang_release_other_than_the_supported_one_is_refused(tmp_path, tin
     assert errors(recipe, pf.check_engines(recipe)) == [
         f"{recipe.path}: servers.generation.python: {python} has sglang 0.5.22; this project supports sglang "
         f"{SGLANG_VERSION} (its protocol and workarounds follow that release): {python} -m pip install "
-        f"sglang=={SGLANG_VERSION}, or give servers.generation.python the interpreter of SGLang's venv, made by: "
-        f"python3 -m venv .venv-sglang && .venv-sglang/bin/pip install sglang=={SGLANG_VERSION}"]
+        f"sglang=={SGLANG_VERSION}, or give servers.generation.python the python of a venv that has the sglang server "
+        f"({INSTALLS['sglang']})"]
 
 
 def test_a_report_to_integration_not_installed_is_refused(tmp_path, tiny_model):

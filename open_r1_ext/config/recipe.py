@@ -26,12 +26,17 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
                       field_validator, model_validator)
 
 from open_r1_ext.config.data_files import LOCAL_FORMATS, local_columns
-from open_r1_ext.protocol import DTYPE_NAMES, SGLANG_LORA_TARGET_MODULES, max_req_input_len, sampling_range_problems
+from open_r1_ext.protocol import (DTYPE_NAMES, SGLANG_LORA_TARGET_MODULES, SGLANG_VERSION, max_req_input_len,
+                                  sampling_range_problems)
 
 DType = Literal[DTYPE_NAMES]
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 REFERENCE_PORT_OFFSET = 1  # a reference server listens on the generation server's port + this, unless its spec says
 NO_KEY = "none"  # servers.api_key: none: the servers started for the run take no API key
+# how a venv gets each engine's server, as the README's install says (the fix of an interpreter that lacks it)
+INSTALLS = {"sglang": f"python3 -m venv .venv-sglang && .venv-sglang/bin/pip install sglang=={SGLANG_VERSION}; on the "
+                      "CPU: tools/sglang_cpu/install.sh VENV",
+            "builtin": "this package: pip install -e ."}
 
 
 class RecipeError(ValueError):
@@ -767,10 +772,9 @@ def _check_data(data: DataSection, problems: list) -> None:
 def _check_interpreters(recipe: Recipe, problems: list) -> None:
     """A server's `python` given as a path is an executable file (a bare name is looked up on the job's PATH)."""
     for role, spec in recipe.servers.specs().items():
-        if spec.started and spec.python and "/" in spec.python and not os.access(Path(spec.python).expanduser(), os.X_OK):
+        if spec.started and spec.python and "/" in spec.python and not os.access(spec.interpreter(), os.X_OK):
             problems.append((f"servers.{role}.python", f"{spec.python} is not an executable file; give the python of a "
-                                                       f"venv that has the {spec.engine} server (for SGLang on the CPU, "
-                                                       "tools/sglang_cpu/install.sh VENV makes one)"))
+                                                       f"venv that has the {spec.engine} server ({INSTALLS[spec.engine]})"))
 
 
 def _check_context(recipe: Recipe, problems: list) -> None:

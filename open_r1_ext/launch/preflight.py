@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import yaml
 
-from open_r1_ext.config.recipe import Recipe, ServerSpec, is_local_path
+from open_r1_ext.config.recipe import INSTALLS, Recipe, ServerSpec, is_local_path
 from open_r1_ext.launch.local_server import SGLANG_CPU_ENV
 from open_r1_ext.protocol import SGLANG_VERSION
 
@@ -29,7 +29,6 @@ IMPORT_TIMEOUT_S = 120.0  # an engine's import (SGLang's: ~7 s on 2 busy cores)
 PROBE_TIMEOUT_S = 10.0
 # the package a server job runs, per engine, imported by the server's interpreter; its __version__ is reported
 ENGINE_MODULES = {"sglang": "sglang", "builtin": "open_r1_ext"}
-SGLANG_INSTALL = "python3 -m venv .venv-sglang && .venv-sglang/bin/pip install sglang==" + SGLANG_VERSION
 NODE_LOCAL_FS = {"tmpfs", "ramfs", "devtmpfs"}
 NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 GPU_DISTRIBUTED_TYPES = {"MULTI_GPU", "DEEPSPEED", "FSDP"}
@@ -117,10 +116,7 @@ def _engine_finding(role: str, spec: ServerSpec, imported: tuple[Optional[str], 
     key, python, module = f"servers.{role}.python", spec.interpreter(), ENGINE_MODULES[spec.engine]
     version, why_not = imported
     which = "" if spec.python else " (the launcher's own: the spec names no python)"
-    if spec.engine == "sglang":
-        fix = f"give servers.{role}.python the interpreter of SGLang's venv, made by: {SGLANG_INSTALL}"
-    else:
-        fix = f"give servers.{role}.python an interpreter with this package installed (pip install -e .), or remove it"
+    fix = f"give servers.{role}.python the python of a venv that has the {spec.engine} server ({INSTALLS[spec.engine]})"
     if version is None:
         return Finding(key, f"{python}{which} {why_not}: {fix}")
     if spec.engine == "sglang" and version != SGLANG_VERSION:

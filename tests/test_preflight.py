@@ -83,6 +83,17 @@ def test_an_sglang_release_other_than_the_supported_one_is_refused(tmp_path, tin
         f"({INSTALLS['sglang']})"]
 
 
+def test_gpus_asked_for_a_server_on_the_cpu_are_a_warning(tmp_path, tiny_model):
+    """`device: cpu` in a job with GPUs validates (the rehearsal runs GPU recipes so), but the preflight says the GPUs
+    would be held idle; without GPUs, nothing is said."""
+    path = tiny_recipe(tmp_path, tiny_model)
+    idle = load_recipe(path, ["servers.generation={engine: builtin, device: cpu, resources: {gpus_per_node: 2}}"])
+    assert lines(idle, pf.check_idle_gpus(idle), pf.WARNING) == [
+        f"{path}: servers.generation.resources.gpus_per_node: warning: 2 GPU(s) asked for a server that runs on the CPU "
+        "(device: cpu): they are allocated and left idle; set gpus_per_node: 0, or remove device to run on them"]
+    assert pf.check_idle_gpus(load_recipe(path)) == []
+
+
 def test_a_report_to_integration_not_installed_is_refused(tmp_path, tiny_model):
     """transformers' own callback for each integration is built in this interpreter (the trainer's): wandb is not
     installed here (an extra), tensorboard is (a dependency)."""

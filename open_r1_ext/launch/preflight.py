@@ -52,8 +52,8 @@ def preflight(recipe: Recipe) -> list[Finding]:
     """Every check; the interpreters' imports (a process of a few seconds each) run beside the others."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         engines = pool.submit(_guarded, check_engines, recipe)
-        findings = [finding for check in (check_report_to, check_accelerate, check_hub_cache, check_disk, check_reloads)
-                    for finding in _guarded(check, recipe)]
+        checks = (check_idle_gpus, check_report_to, check_accelerate, check_hub_cache, check_disk, check_reloads)
+        findings = [finding for check in checks for finding in _guarded(check, recipe)]
         return engines.result() + findings
 
 
@@ -89,6 +89,16 @@ def check_engines(recipe: Recipe) -> list[Finding]:
     with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
         imports = {run: pool.submit(import_engine, *run) for run in {_engine_run(spec) for spec in specs.values()}}
         return [_engine_finding(role, spec, imports[_engine_run(spec)].result()) for role, spec in specs.items()]
+
+
+def check_idle_gpus(recipe: Recipe) -> list[Finding]:
+    """A server on the CPU (`device: cpu`) in a job that asks for GPUs: allowed (a rehearsal of a GPU launch on CPUs,
+    as tests/test_rehearsal.py runs every shipped recipe), but on a real cluster those GPUs are held and left idle."""
+    return [Finding(f"servers.{role}.{where}.gpus_per_node",
+                    f"{job.gpus_per_node} GPU(s) asked for a server that runs on the CPU (device: cpu): they are "
+                    "allocated and left idle; set gpus_per_node: 0, or remove device to run on them", WARNING)
+            for role, spec in recipe.servers.specs().items() if spec.started and spec.device == "cpu"
+            for where, job in spec.resource_entries() if job.gpus_per_node > 0]
 
 
 def _engine_run(spec: ServerSpec) -> tuple[str, str, bool]:

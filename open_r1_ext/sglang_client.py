@@ -511,10 +511,11 @@ def served_vocabulary(model_info: dict) -> tuple[Optional[int], str]:
         if not path:
             continue
         try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            size = getattr(AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(), "vocab_size", None)
         except (OSError, ValueError):
             continue
-        return int(config.get_text_config().vocab_size), str(path)
+        if isinstance(size, int):
+            return size, str(path)
     logger.warning("the served model's config (%s) is not readable here: token ids are not checked against its "
                    "vocabulary before they are sent", model_info.get("model_path"))
     return None, str(model_info.get("model_path"))

@@ -2,10 +2,12 @@
 up: a token id past the served model's vocabulary (its scheduler dies of an `IndexError`, and the whole server with
 it) is refused by the trainer at start-up (a tokenizer larger than the served vocabulary) and by the client before any
 request leaves; a SIGKILLed SGLang's files in /dev/shm (`sem.mp-*`, `sglang_loads_*.shm`) are removed once it is gone,
-and only its own. The vocabulary checks run on the built-in server too (it answers such ids with HTTP 400)."""
+and only its own; a server is given a port that no outgoing connection takes while it starts. The vocabulary checks
+run on the built-in server too (it answers such ids with HTTP 400)."""
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from open_r1_ext import RemoteGRPOTrainer
-from open_r1_ext.launch.local_server import SGLangServer, SharedMemoryFiles
+from open_r1_ext.launch.local_server import (EPHEMERAL_PORTS, LOWEST_FREE_PORT, SGLangServer, SharedMemoryFiles,
+                                             free_port)
 from open_r1_ext.sglang_client import OutOfVocabularyError, SGLangClient
 from tests.helpers import reward_len, tiny_config
 
@@ -84,3 +87,14 @@ def test_a_killed_sglang_server_leaves_no_shared_memory_file_and_another_servers
     assert not [path for path in left if os.path.exists(path)]
     assert all(os.stat(path).st_ino == inode for path, inode in other.files.items())
     assert healthy(sglang_server.url)
+
+
+def test_a_server_port_is_one_no_outgoing_connection_takes_meanwhile(server):
+    """SGLang binds its port 20-30 s after its launch; an outgoing connection of any process takes its local port from
+    the kernel's ephemeral range, so `free_port` picks below it (a start in a test run once met `address already in
+    use`, and SGLang then hung until the start-up timeout)."""
+    first_ephemeral = int(EPHEMERAL_PORTS.read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1 and all(LOWEST_FREE_PORT <= port < first_ephemeral for port in ports)
+    with socket.create_connection(("127.0.0.1", server.port)) as outgoing:
+        assert outgoing.getsockname()[1] >= first_ephemeral  # where the connections' ports come from

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,10 +31,26 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_FREE_PORT = 20000  # `free_port` picks from here up to the kernel's ephemeral range
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free on `host` now, below the kernel's ephemeral range (`ip_local_port_range`, where every process's
+    outgoing connections take their local ports): the server binds it seconds later (SGLang 20-30 s after its
+    launch), and a port of that range may be some connection's by then (seen in a test run: SGLang's `address already
+    in use`, after which it hangs). Random, so that processes looking at once rarely pick the same; the kernel's
+    choice if that range leaves no room below it."""
+    first_ephemeral = int(EPHEMERAL_PORTS.read_text().split()[0]) if EPHEMERAL_PORTS.exists() else 32768
+    candidates = range(LOWEST_FREE_PORT, first_ephemeral)
+    for port in random.SystemRandom().sample(candidates, min(100, len(candidates))) or [0]:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise OSError(f"no free port on {host} among 100 tried in {candidates.start}-{candidates.stop - 1}")
 
 
 SHARED_MEMORY = Path("/dev/shm")

@@ -250,9 +250,9 @@ def bind_gpus(recipe: Recipe, started_here: Mapping[str, ServerSpec]) -> dict[st
         trainer, servers = split_gpus(visible, asked, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError as err:
         keys = " / ".join(f"servers.{role}.resources.gpus_per_node" for role, n in asked.items() if n)
-        raise RecipeError(recipe.path, [(keys, f"{err}: lower it, run the servers elsewhere (--server-url, --ref-url) "
-                                               "or on the CPU (device: cpu), or make more GPUs visible "
-                                               "(CUDA_VISIBLE_DEVICES)")]) from None
+        raise RecipeError(recipe.path, [(keys, f"{err}: lower it (0: the server shares the trainer's GPUs), run the "
+                                               "servers elsewhere (--server-url, --ref-url) or on the CPU (device: "
+                                               "cpu), or make more GPUs visible (CUDA_VISIBLE_DEVICES)")]) from None
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(trainer)
     logger.info("GPUs: the trainer %s, %s (CUDA_VISIBLE_DEVICES)", ",".join(trainer),
                 ", ".join(f"the {role} server {','.join(gpus) or 'none'}" for role, gpus in servers.items()))

@@ -49,7 +49,7 @@ def test_too_few_gpus_for_the_embedded_servers_is_refused(tiny_model, tmp_path):
     assert run.returncode == 2
     assert (f"{RECIPE}: servers.generation.resources.gpus_per_node / servers.reference.resources.gpus_per_node: "
             "2 GPU(s) visible here (3,5): 1 for the generation server, 1 for the reference server leave 0 for the "
-            "trainer's 1 process(es): lower it") in run.stderr, run.stderr[-3000:]
+            "trainer's 1 process(es): lower it (0: the server shares the trainer's GPUs)") in run.stderr, run.stderr[-3000:]
     assert "Traceback" not in run.stderr and not (tmp_path / "run" / "generation-server.log").exists()
 
 

@@ -71,6 +71,10 @@ def test_launch_runs_the_servers_then_the_trainer_and_cancels_the_servers(execut
         syncs = [e for e in map(json.loads, (tiny_run.run_dir / "weight_sync.jsonl").read_text().splitlines())
                  if e["role"] == "generation"]
         assert syncs and all(sorted(e["replicas"]) == sorted(replicas["server"]) for e in syncs)  # both confirmed each
+        for role, job in [*(("server", job) for job in replicas["server"]), ("trainer", ids["TRAINER_JOB"])]:
+            task_log = (logs / role / f"{job}_0_log.err").read_text()  # what submitit's srun gave each task
+            resources = rf"\] {role} on \S+: resources: CUDA_VISIBLE_DEVICES=\(unset\) cpus=1 "
+            assert re.search(resources, task_log), task_log[-2000:]
     assert f"trainer job {ids['TRAINER_JOB']}: succeeded" in status
     server_ids = " ".join(job for jobs in replicas.values() for job in jobs)
     assert f"trainer job {ids['TRAINER_JOB']}: cancelled server job(s) {server_ids}" in status, status

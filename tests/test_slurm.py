@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from open_r1_ext.config.recipe import load_recipe
-from open_r1_ext.launch.jobs import JobContext, node_command
-from open_r1_ext.launch.slurm_plan import PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
+from open_r1_ext.launch.jobs import JobContext, node_command, rendezvous_port
+from open_r1_ext.launch.slurm_plan import SUBMITIT, PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
 from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, run_script, slurm_state, wait_until
 
 
@@ -117,6 +117,18 @@ def test_each_node_runs_its_own_command_from_the_slurm_environment(tiny_model):
     assert train[train.index("--main_process_port") + 1] == "41234"  # the port the job took on its first node
     assert train[-4:] == ["--server-dir", "/runs/with space/replicas/server", "--ref-dir", "/runs/with space/replicas/ref-server"]
     assert plan.sbatch_args("server")[-2] == "--error=/runs/with space/logs/server-%j.err"
+
+
+def test_the_trainer_jobs_nodes_meet_on_a_port_its_first_node_took(tiny_model, tmp_path):
+    """accelerate's rendezvous port: a free one on the first node, not a fixed one (two runs on a node collided on
+    29500). Under submitit every node runs its own task: the first node's writes it to the run directory, where the
+    others wait for it; under sbatch the batch step, on the first node, passes it to each node's srun task."""
+    plan = tiny_plan(tiny_model, f"trainer.output_dir={tmp_path}")
+    nodes = ("gpu3", "gpu4")
+    port = rendezvous_port(plan, JobContext("42", 0, nodes, launcher=SUBMITIT))
+    assert port != 29500 and rendezvous_port(plan, JobContext("42", 1, nodes, launcher=SUBMITIT)) == port
+    assert rendezvous_port(plan, JobContext("43", 0, nodes)) != 29500  # sbatch: passed on srun's line, no file
+    assert [path.name for path in tmp_path.glob(".rendezvous-*")] == [".rendezvous-42.0.port"]
 
 
 @pytest.mark.parametrize("override, key", [

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION, DTYPE_NAMES, SamplingParams
-from open_r1_ext.weight_files import WeightFileError, read_weight_dir
+from open_r1_ext.weight_files import WeightFileError, read_shard, read_weight_dir
 
 logger = logging.getLogger(__name__)
 
@@ -307,16 +307,16 @@ class ModelEngine:
         `--lora-target-modules`, tensors that fit no module, missing or not finite, ...) raises `WeightFileError` and
         leaves no trace. Needs `lora` (the server's `--enable-lora`)."""
         from peft import LoraConfig, PeftModel
-        from peft.utils import load_peft_weights, set_peft_model_state_dict
+        from peft.utils import set_peft_model_state_dict
 
         config = self._adapter_config(Path(path), LoraConfig)
+        # read as every dump is (`read_shard`), not by peft's loader, which maps the file (SIGBUS if it shrinks)
+        weights = {name: tensor.to(self.device) for name, tensor in read_shard(Path(path) / ADAPTER_WEIGHTS).items()}
         adapter = next((a for a, kept in self._retired.items() if _same_layers(kept, config)), None)
         reused = adapter is not None
         try:
             if reused:  # a retired adapter's modules take these weights: no new modules to build
                 del self._retired[adapter]
-                result = set_peft_model_state_dict(self.peft, load_peft_weights(str(path), device=str(self.device)),
-                                                   adapter_name=adapter)
             else:
                 adapter = f"adapter-{self._adapters_made}"
                 self._adapters_made += 1
@@ -324,7 +324,7 @@ class ModelEngine:
                     self.peft = PeftModel(self.model, config, adapter_name=adapter)
                 else:
                     self.peft.add_adapter(adapter, config)
-                result = self.peft.load_adapter(str(path), adapter_name=adapter, torch_device=str(self.device))
+            result = set_peft_model_state_dict(self.peft, weights, adapter_name=adapter)
             self._check_adapter(Path(path), adapter, result)
         except (RuntimeError, ValueError, OSError) as err:  # e.g. no such module, a tensor of another shape
             if self.peft is not None and adapter in self.peft.peft_config:
@@ -333,7 +333,7 @@ class ModelEngine:
                 raise
             raise WeightFileError(f"{path}: {err}") from err
         finally:
-            self.model.eval()
+            (self.model if self.peft is None else self.peft).eval()  # as peft's `load_adapter` leaves it
         if not reused:  # peft needs one active (a walk over every module); each row names its own anyway
             self.peft.set_adapter(adapter, inference_mode=True)
         self.adapters.add(adapter)

@@ -50,18 +50,19 @@ def test_a_tokenizer_larger_than_the_served_vocabulary_is_refused_at_start_up(ow
     """The prompts use the added tokens: without the check the first batch would carry ids 320-327 to the server."""
     prompts = Dataset.from_list([{"prompt": f"{ADDED[20 + i]} What is {i} + {i}?"} for i in range(8)])
     args = tiny_config(tmp_path, generation_url=own_server.url, max_steps=1)
+    tokenizer = AutoTokenizer.from_pretrained(larger_tokenizer)
     with pytest.raises(ValueError, match=rf"the tokenizer {larger_tokenizer} has 340 tokens \(added tokens included\), "
                                          rf"more than the 300 of the served model {tiny_model}"):
-        trainer = RemoteGRPOTrainer(model=str(tiny_model), processing_class=AutoTokenizer.from_pretrained(larger_tokenizer),
-                                    reward_funcs=reward_len, args=args, train_dataset=prompts)
+        trainer = RemoteGRPOTrainer(model=str(tiny_model), processing_class=tokenizer, reward_funcs=reward_len,
+                                    args=args, train_dataset=prompts)
         trainer.train()
     assert healthy(own_server.url)
 
 
 def test_token_ids_outside_the_served_vocabulary_are_never_sent(own_server):
     client = SGLangClient(own_server.url, max_retries=0)
-    with pytest.raises(OutOfVocabularyError, match=rf"not sent to {own_server.url}: token id 300 of prompt 1 is outside "
-                                                   r"the vocabulary of the model it serves \(.*: ids 0-299\)"):
+    with pytest.raises(OutOfVocabularyError, match=rf"not sent to {own_server.url}: token id 300 of prompt 1 is "
+                                                   r"outside the vocabulary of the model it serves \(.*: ids 0-299\)"):
         client.generate([[1, 2], [5, 300, 6], [320]], {"max_new_tokens": 2})
     with pytest.raises(OutOfVocabularyError, match="token id -1 of sequence 0"):
         client.ref_logprobs([[1, -1, 2]])

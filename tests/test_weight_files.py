@@ -115,7 +115,8 @@ def damaged_while_hashing(work: str, out: str) -> None:
 def read_while_watched(work: str, out: str, connection) -> None:
     """Child: seal, verify and load (`read_weight_dir`, the built-in server's reload) fresh dumps, `2 * ROUNDS` of
     each; before each read it sends the shard's path to the parent, which damages the shard as soon as this process
-    has it open or mapped, and waits for the parent to watch. One JSON line per round in `out`, as above."""
+    has it open or mapped; the child waits for the parent to watch, and to stop watching before the dump is removed.
+    One JSON line per round in `out`, as above."""
     work_dir = Path(work)
     source = make_shard(work_dir / "source")
     operations = {"seal": seal_weight_dir, "verify": lambda d: check_manifest(d, True), "load": read_weight_dir}
@@ -130,6 +131,7 @@ def read_while_watched(work: str, out: str, connection) -> None:
                 connection.recv()  # watching
                 result = outcome(operation, dump)
                 connection.send(None)
+                connection.recv()  # no longer watching: the dump may go
                 lines.write(json.dumps({"how": how, "operation": name, "dump": str(dump), "outcome": result}) + "\n")
                 lines.flush()
                 shutil.rmtree(dump)
@@ -149,20 +151,18 @@ def holds(pid: int, path: str) -> bool:
         return False
 
 
-def damage_while_held(child, connection) -> int:
+def damage_while_held(child, connection) -> None:
     """Parent side of `read_while_watched`: per round, watch the child until it holds the shard (or the round ends)
-    and damage it then. Returns how many rounds were damaged while the child held the shard."""
-    damaged = 0
+    and damage it then."""
     while (message := connection.recv()) != "done":
         path, how = message
         connection.send("watching")
         while not connection.poll():
             if holds(child.pid, path):
                 damage(Path(path), how)
-                damaged += 1
                 break
         connection.recv()
-    return damaged
+        connection.send("round over")
 
 
 def run_child(target, tmp_path: Path, parent=None) -> list[dict]:

@@ -22,9 +22,10 @@ from tests.slurm_helpers import REPO, job_processes, run_script, slurm_state, wa
 RECIPES = sorted(str(path.relative_to(REPO)) for path in (REPO / "recipes").rglob("*.yaml")
                  if "accelerate_configs" not in path.parts)
 STEPS = 2
-SIDE_BY_SIDE = 2  # runs at once: each holds ~6 GB (two SGLang servers, a DeepSpeed trainer), this machine has 24
+SGLANG_AT_ONCE = 4  # SGLang servers of the runs side by side: ~2 GB each (a run with its trainer ~6 GB; 24 GB here)
 RUN_WAIT_S = 600  # bound of the wait for a run to end, next to another on 2 cores (~240 s at a load average of 8)
-RESOURCES_LINE = re.compile(r"\] (server|ref-server|trainer) on (\S+): resources: CUDA_VISIBLE_DEVICES=(\S+) cpus=(\d+)")
+RESOURCES_LINE = re.compile(r"\] (server|ref-server|trainer) on (\S+): "  # jobs.log_resources, one per task
+                            r"resources: CUDA_VISIBLE_DEVICES=(\S+) cpus=(\d+)")
 SGLANG_VENV_PYTHON = ".venv-sglang/bin/python"  # where the README's install puts SGLang (`make sglang-venv`)
 NOT_ENDED = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")  # a job in one of these may still run
 
@@ -57,8 +58,13 @@ def cpu_overrides(recipe: dict, run_dir: Path, tiny_model: Path, sglang_python: 
                       (f"{key}.tp_size=1", "SGLang on the CPU runs one process"),
                       (f"{key}.dp_size=1", "SGLang on the CPU refuses dp_size > 1")]
         if spec.get("python") not in (None, SGLANG_VENV_PYTHON):
-            overrides.append((f"{key}.python={sglang_python}", "the recipe's SGLang interpreter is not on this machine"))
+            overrides.append((f"{key}.python={sglang_python}", "the recipe's SGLang interpreter is not here"))
     return overrides
+
+
+def sglang_servers(recipe: dict) -> int:
+    """How many SGLang servers a recipe's run starts."""
+    return sum(isinstance(spec, dict) and spec.get("engine") == "sglang" for spec in recipe["servers"].values())
 
 
 @dataclass
@@ -88,26 +94,30 @@ class Run:
 
 @pytest.fixture(scope="module")
 def rehearsal(request, slurm_cluster, tiny_model, sglang_python, tmp_path_factory) -> dict[str, Run]:
-    """Every shipped recipe this session tests submitted, `SIDE_BY_SIDE` runs at a time (the cluster's stand-in GPUs
-    would hold all of them at once, this machine's memory not), each followed until its jobs have ended;
-    `{recipe: Run}`."""
+    """Every shipped recipe this session tests submitted, as many side by side as have at most `SGLANG_AT_ONCE` SGLang
+    servers between them (the cluster's stand-in GPUs would hold all of them at once, this machine's memory not),
+    those without SGLang first; each followed until its jobs have ended. `{recipe: Run}`."""
     runs: dict[str, Run] = {}
     running: list[Run] = []
-    waiting = [item.callspec.params["recipe_path"] for item in request.session.items
-               if item.module is request.module and hasattr(item, "callspec")]
+    selected = [item.callspec.params["recipe_path"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
+    recipes = {path: yaml.safe_load((REPO / path).read_text()) for path in selected}
+    waiting = sorted(recipes, key=lambda path: sglang_servers(recipes[path]))
     try:
         while waiting or running:
-            while waiting and len(running) < SIDE_BY_SIDE:
+            while waiting and (not running or sum(sglang_servers(run.recipe) for run in running)
+                                  + sglang_servers(recipes[waiting[0]]) <= SGLANG_AT_ONCE):
                 recipe_path = waiting.pop(0)
-                recipe, out = yaml.safe_load((REPO / recipe_path).read_text()), tmp_path_factory.mktemp("rehearsal")
+                recipe, out = recipes[recipe_path], tmp_path_factory.mktemp("rehearsal")
                 sets = [arg for value, _ in cpu_overrides(recipe, out / "run", tiny_model, sglang_python)
                         for arg in ("--set", value)]
                 runs[recipe_path] = Run(recipe, out / "run", run_script(
                     "sbatch", "--parsable", f"--output={out}/submit-%j.out", "slurm/grpo.slurm", recipe_path, *sets))
                 if runs[recipe_path].submitted.returncode == 0:
                     running.append(runs[recipe_path])
-            ended = wait_until(lambda: [run for run in running if run.ended()], RUN_WAIT_S, "a run's jobs to end")
-            running = [run for run in running if run not in ended]
+            if running:
+                ended = wait_until(lambda: [run for run in running if run.ended()], RUN_WAIT_S, "a run's jobs to end")
+                running = [run for run in running if run not in ended]
         yield runs
     finally:
         for run in runs.values():

@@ -247,7 +247,9 @@ def bind_gpus(recipe: Recipe, started_here: Mapping[str, ServerSpec]) -> dict[st
     if not visible:
         return {}
     try:
-        trainer, servers = split_gpus(visible, asked, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        # a trainer on the CPU (`use_cpu`) needs none of them: every GPU may go to the servers
+        needed = 0 if recipe.setting("use_cpu") else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        trainer, servers = split_gpus(visible, asked, needed)
     except ValueError as err:
         keys = " / ".join(f"servers.{role}.resources.gpus_per_node" for role, n in asked.items() if n)
         raise RecipeError(recipe.path, [(keys, f"{err}: lower it (0: the server shares the trainer's GPUs), run the "

@@ -44,13 +44,19 @@ def test_embedded_servers_get_gpus_of_their_own(tiny_model, tmp_path):
 
 
 def test_too_few_gpus_for_the_embedded_servers_is_refused(tiny_model, tmp_path):
+    """A trainer on the GPUs (`use_cpu: false`) needs one a process; one on the CPU (the tiny recipe's) none: there
+    the servers take both."""
     run = train(tmp_path, f"model.name_or_path={tiny_model}", "servers.generation.resources.gpus_per_node=1",
-                f"servers.reference={BUILTIN_ON_ONE_GPU}", gpus="3,5")
+                f"servers.reference={BUILTIN_ON_ONE_GPU}", "trainer.use_cpu=false", gpus="3,5")
     assert run.returncode == 2
     assert (f"{RECIPE}: servers.generation.resources.gpus_per_node / servers.reference.resources.gpus_per_node: "
             "2 GPU(s) visible here (3,5): 1 for the generation server, 1 for the reference server leave 0 for the "
             "trainer's 1 process(es): lower it (0: the server shares the trainer's GPUs)") in run.stderr, run.stderr[-3000:]
     assert "Traceback" not in run.stderr and not (tmp_path / "run" / "generation-server.log").exists()
+    on_cpu = train(tmp_path, f"model.name_or_path={tiny_model}", "servers.generation.resources.gpus_per_node=1",
+                   f"servers.reference={BUILTIN_ON_ONE_GPU}", gpus="3,5")
+    assert on_cpu.returncode == 0, on_cpu.stderr[-5000:]
+    assert "GPUs: the trainer , the generation server 3, the reference server 5 (CUDA_VISIBLE_DEVICES)" in on_cpu.stderr
 
 
 def test_only_the_first_of_two_trainer_processes_starts_the_embedded_servers(tiny_model, tmp_path):

@@ -1,11 +1,14 @@
-"""The GPU checks of the network weight sync (issue #22), run by tools/gpu_check.sh on a machine with one NVIDIA GPU;
-each prints a line and goes into OUT/gpu_check.json. Not run in CI (no GPU there).
+"""The GPU checks of the network weight sync (issue #22) and of embedded servers bound to GPUs (#31), run by
+tools/gpu_check.sh on a machine with one NVIDIA GPU; each prints a line and goes into OUT/gpu_check.json. Not run in
+CI (no GPU there).
 
 1. The built-in server on CUDA: healthy, generates, and its reference log-probs equal a local forward on the GPU.
 2. Tiny GRPO runs with the trainer on the GPU against that server (5 steps each): weights synced through the disk,
    and over the network (`sync.transport: distributed`, gloo: NCCL needs the server on another GPU than the
    trainer's); seconds per step, and the server ends on the final policy.
-3. The network transport on the GPU, on the ~100M model (float32, one bucket), each checked against a dump of the same
+3. `open-r1-ext train` with an embedded built-in server on the GPU (`resources.gpus_per_node: 1`) beside the tiny
+   recipe's CPU trainer (2 steps): the split's `GPUs:` line, the GPU the server process saw and its device.
+4. The network transport on the GPU, on the ~100M model (float32, one bucket), each checked against a dump of the same
    weights and timed (median of 5): NCCL from the trainer's broadcaster to the built-in server, both on this one GPU
    (NCCL may refuse two ranks of a group on one GPU: the line then says so and why); gloo from a CUDA IPC buffer
    (the broadcaster's CUDA path); and a dump + reload, for scale.
@@ -86,6 +89,28 @@ def tiny_runs(url: str, model_dir: Path, work: Path) -> None:
                all(torch.equal(a, b) for a, b in zip(sent, client.ref_logprobs(SEQUENCES))))
 
 
+def embedded_server_gpus(model_dir: Path, out: Path) -> None:
+    """The tiny recipe through `open-r1-ext train`, its built-in generation server embedded and given a GPU of its own
+    (`train.bind_gpus`); what the trainer's log and the server's log say they got."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    run = out / "embedded"
+    server = f"{{engine: builtin, device: {DEVICE}, dtype: float32, resources: {{gpus_per_node: 1}}}}"
+    sets = [f"model.name_or_path={model_dir}", f"trainer.output_dir={run}", "trainer.max_steps=2",
+            f"servers.generation={server}"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
+    done = subprocess.run([sys.executable, "-m", "open_r1_ext.cli", "train", str(repo / "recipes/tiny/grpo.yaml"),
+                           *(word for item in sets for word in ("--set", item))], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    report("embedded.exit_code", done.returncode, done.stderr[-400:] if done.returncode else "")
+    split = [line for line in done.stderr.splitlines() if "GPUs: the trainer" in line]
+    report("embedded.split", split[-1].split("GPUs: ", 1)[1] if split else "none (no GPU asked or visible)")
+    log = run / "generation-server.log"
+    seen = [line for line in log.read_text().splitlines() if "CUDA_VISIBLE_DEVICES=" in line] if log.exists() else []
+    report("embedded.server_saw", seen[0].split("CUDA_VISIBLE_DEVICES=", 1)[1] if seen else "no log line")
+
+
 def transports(url: str, model_dir: Path, other_dir: Path) -> None:
     """The ~100M model's weights (the other seed's) sent to the server at `url` by each transport."""
     from safetensors.torch import load_file
@@ -138,6 +163,7 @@ def main() -> None:
                            log_path=str(out / "server-tiny.log")) as server:
             check_server(server.url, models / "tiny")
             tiny_runs(server.url, models / "tiny", Path(tmp))
+        embedded_server_gpus(models / "tiny", out)
         with BuiltinServer(str(models / SIZE), extra_args=("--device", DEVICE, "--no-ref-slot", "--dtype", "float32"),
                            log_path=str(out / f"server-{SIZE}.log")) as server:
             transports(server.url, models / SIZE, other)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks of the network weight sync (issue #22), for a machine with one NVIDIA GPU (the `device` tool's
-# nvidia-h200 image: python3 with CUDA torch, no network). A few minutes; not run in CI (no GPU there).
+# The GPU checks (issues #22 and #31: the network weight sync, embedded servers on a GPU of their own), for a
+# machine with one NVIDIA GPU (the `device` tool's nvidia-h200 image: python3 with CUDA torch, no network). A few
+# minutes; not run in CI (no GPU there).
 #
 #   bash tools/gpu_check.sh fetch   here, once: the wheels that image lacks (python 3.12) into .whl/ (git-ignored)
 #   bash tools/gpu_check.sh         there, with carry [".whl"]: installs them under /tmp/site, builds the tiny and

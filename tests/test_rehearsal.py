@@ -75,6 +75,7 @@ class Run:
     run_dir: Path
     submitted: subprocess.CompletedProcess
     ids: dict = field(default_factory=dict)
+    final_states: dict = field(default_factory=dict)  # each job's state when the run was seen to end
 
     @property
     def submit_job(self) -> str:
@@ -86,7 +87,12 @@ class Run:
         jobs_env = self.run_dir / "jobs.env"
         if not self.ids and jobs_env.exists() and "TRAINER_JOB" in jobs_env.read_text():
             self.ids = dict(line.split("=", 1) for line in jobs_env.read_text().splitlines())
-        return not submitting and all(slurm_state(job) not in NOT_ENDED for job in self.job_ids())
+        states = {job: slurm_state(job) for job in self.job_ids()}
+        if submitting or any(state in NOT_ENDED for state in states.values()):
+            return False
+        # kept: SLURM forgets an ended job after MinJobAge (300 s), and other runs may take longer than that
+        self.final_states = states
+        return True
 
     def job_ids(self) -> list[str]:
         return [job for key, job in self.ids.items() if key.endswith("_JOB")]
@@ -165,7 +171,7 @@ def test_a_shipped_recipe_runs_on_slurm_with_the_resources_it_asks_for(recipe_pa
     syncs = [e["step"] for e in jsonl(run.run_dir / "weight_sync.jsonl") if e["role"] == "generation"]
     assert syncs == list(range(1, STEPS + 1)), syncs
     assert f"trainer job {trainer}: cancelled server job(s) {' '.join(servers.values())}" in status, status
-    assert all(slurm_state(job) == "CANCELLED" for job in servers.values())
+    assert all(run.final_states[job] == "CANCELLED" for job in servers.values()), run.final_states
     assert not list((run.run_dir / "replicas").glob("*/*.addr"))  # every server withdrew its address
     for job in servers.values():
         wait_until(lambda: not job_processes(job), 30, f"server job {job}'s processes to exit")

@@ -49,7 +49,7 @@ from bench_common import (alternate, header, machine_facts, markdown_table, mode
 
 from open_r1_ext.launch.local_server import BuiltinServer  # noqa: E402
 from open_r1_ext.server_pool import ServerPool  # noqa: E402
-from open_r1_ext.sglang_client import SGLangClient  # noqa: E402
+from open_r1_ext.sglang_client import SGLangClient, served_vocabulary  # noqa: E402
 
 GENERATE_TARGET = 0.85  # of the machine's parallel speed-up
 SYNC_TARGET = 1.2
@@ -84,7 +84,7 @@ def measure(models_root: Path, work: Path, setup: Setup) -> dict:
 
 
 def generation_figures(one: ServerPool, two: ServerPool, direct: list[SGLangClient], setup: Setup) -> dict:
-    vocab_size = one.model_info()["vocab_size"]
+    vocab_size = served_vocabulary(one.model_info())[0]
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab_size, (setup.prompts, setup.prompt_len), generator=generator).tolist()
     seeds = list(range(setup.prompts * setup.n))

@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import alternate, header, machine_facts, markdown_table, model_dir, verdict, write_json  # noqa: E402
 
-from open_r1_ext.sglang_client import SGLangClient  # noqa: E402
+from open_r1_ext.sglang_client import SGLangClient, served_vocabulary  # noqa: E402
 from open_r1_ext.launch.local_server import BuiltinServer  # noqa: E402
 from open_r1_ext.server.batcher import DEFAULT_MAX_WAIT_MS  # noqa: E402
 
@@ -210,7 +210,7 @@ def run(models_root: Path, quick: bool, threads: int, batch_wait_ms: float) -> l
             client = SGLangClient(server.url, max_retries=0)
             rows.append(measure_ref_logprobs(client, path, setup))
             if setup.size == "tiny":
-                vocab_size = client.model_info()["vocab_size"]
+                vocab_size = served_vocabulary(client.model_info())[0]
                 rows.append(measure_generation(client, vocab_size, QUICK_GENERATE if quick else FULL_GENERATE))
     return rows
 

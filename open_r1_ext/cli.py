@@ -81,7 +81,7 @@ def cmd_new_recipe(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out} (model {args.model}); adjust its GPUs (slurm.trainer, servers.<role>.resources) and batch "
-          f"sizes, then check it with: open-r1-ext validate {out}")
+          f"sizes, then check it with: open-r1-ext validate --preflight {out}")
     return 0
 
 

@@ -28,7 +28,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from open_r1_ext.config.arguments import add_recipe_arguments
 from open_r1_ext.config.recipe import Recipe, RecipeError, ServerSpec, load_recipe
-from open_r1_ext.launch.jobs import SIGTERM_EXIT
+from open_r1_ext.launch.jobs import SIGTERM_EXIT, write_atomic
 from open_r1_ext.launch.run_key import read_run_key, write_run_key
 from open_r1_ext.launch.run_status import METRICS_FILE
 from open_r1_ext.sglang_client import ServerError
@@ -197,12 +197,6 @@ def wait_for_embedded_urls(recipe: Recipe) -> dict[str, list[str]]:
             time.sleep(0.5)
             progress.update()
     return json.loads(path.read_text())
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def gpus_asked(spec: ServerSpec) -> int:

@@ -149,7 +149,7 @@ def test_the_trainer_waits_for_min_replicas_healthy(make_plan, fake_slurm, serve
     address = server.url.removeprefix("http://")
     plan = make_plan("servers.generation.replicas=2", "trainer.server_wait_timeout=3")
     register_jobs(plan.files, [JobRef("server", "11"), JobRef("server", "12")], plan, "sbatch")
-    jobs._write_atomic(plan.files.replica_addr("server", "11"), address + "\n")
+    jobs.write_atomic(plan.files.replica_addr("server", "11"), address + "\n")
     assert wait_for_replicas(plan, JobWatch(), echo=lambda m: None) == {"server": {"11": server.url}}
 
     plan = make_plan("servers.generation.replicas=2", "servers.generation.min_replicas=2", "trainer.server_wait_timeout=3")
@@ -169,7 +169,7 @@ def test_the_trainer_waits_for_min_replicas_healthy(make_plan, fake_slurm, serve
 
     fake_slurm("11|RUNNING|0\n12|FAILED|0\n13|RUNNING|0\n")
     register_jobs(plan.files, [JobRef("server", "13")])  # add-server
-    jobs._write_atomic(plan.files.replica_addr("server", "13"), address + "\n")
+    jobs.write_atomic(plan.files.replica_addr("server", "13"), address + "\n")
     assert wait_for_replicas(plan, JobWatch(), echo=lambda m: None) == {"server": {"11": server.url, "13": server.url}}
     assert "squeue" in squeue.read_text()
 

@@ -248,7 +248,7 @@ def register_jobs(files: RunFiles, refs: Sequence[JobRef], plan: Optional[SlurmP
             values.update(RECIPE_ARGS=shlex.join(job_args(plan)), LAUNCH_DIR=os.getcwd())
         order = [f"{role_var(role)}_JOB" for role in (SERVER, REF_SERVER, TRAINER)]
         keys = [key for key in order if key in values] + [key for key in values if key not in order]
-        _write_atomic(files.jobs, "".join(f"{key}={values[key]}\n" for key in keys))
+        write_atomic(files.jobs, "".join(f"{key}={values[key]}\n" for key in keys))
 
 
 def read_jobs_file(files: RunFiles) -> list[JobRef]:
@@ -260,7 +260,8 @@ def read_jobs_file(files: RunFiles) -> list[JobRef]:
             for job_id in values.get(f"{role_var(role)}_JOB", "").split(",") if job_id]
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write `path` in one rename: a reader sees the old file or the new one, never half (its directory made)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
@@ -358,7 +359,7 @@ def rendezvous_port(plan: SlurmPlan, ctx: JobContext, echo: Echo = log) -> int:
     if ctx.node_rank == 0:
         port = free_port("0.0.0.0")
         if ctx.launcher == SUBMITIT and len(ctx.nodes) > 1:
-            _write_atomic(path, f"{port}\n")
+            write_atomic(path, f"{port}\n")
         return port
     me = f"trainer job {ctx.job_id}, node {ctx.node_rank}"
     wait_for(path.is_file, f"{me}: waiting for the rendezvous port of the first node ({ctx.head_node}) in {path}",
@@ -532,7 +533,7 @@ def _advertise_when_healthy(plan: SlurmPlan, process: subprocess.Popen, address:
     wait_for(lambda: client.is_healthy(timeout=5.0), f"{me}: waiting for http://{address}/health", plan.server_wait_s,
              f"{me}: the {me.role} is not healthy after {plan.server_wait_s:.0f} s (trainer.server_wait_timeout; "
              f"http://{address}/health)", echo, exited)
-    _write_atomic(addr_file, address + "\n")
+    write_atomic(addr_file, address + "\n")
     record(plan.files, f"{me}: healthy at http://{address}", echo)
 
 

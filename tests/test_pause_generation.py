@@ -22,6 +22,8 @@ from tests.helpers import reward_len, tiny_config, tiny_dataset
 
 NEW_TOKENS = 300
 ABORTED_TOKENS = 1500  # what the abort test asks for
+HELD_TOKENS = 1000  # the in-place pause tests: requests still under way when the pause lands (with 300, a busy
+# machine's SGLang finished them first: the reload then found nothing to refuse for)
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -104,7 +106,7 @@ def test_retract_pause_then_new_weights_go_on_with_the_new_weights_log_probs(any
 
 def test_in_place_pause_keeps_the_old_cache_and_a_reload_must_not_flush_it(any_server, tiny_model, other_tiny_model):
     client = SGLangClient(any_server.url, request_timeout=120)
-    streams = Streams(any_server.url, PROMPTS[:2])
+    streams = Streams(any_server.url, PROMPTS[:2], new_tokens=HELD_TOKENS)
     streams.wait_for(20)
     assert client.pause_generation("in_place") == PAUSED
     refused = requests.post(f"{any_server.url}/update_weights_from_disk",
@@ -130,7 +132,7 @@ def test_a_reload_refused_for_requests_under_way_is_sent_again_once_they_end(any
     the scheduler's for one iteration: a restore right after a generation failed CI that way). The client waits for
     them with `/flush_cache?timeout=` and reloads again. Made certain here by an `in_place` pause."""
     client = SGLangClient(any_server.url, request_timeout=120)
-    streams = Streams(any_server.url, PROMPTS[:2])  # 120 tokens could end before the pause under load (seen once)
+    streams = Streams(any_server.url, PROMPTS[:2], new_tokens=HELD_TOKENS)  # fewer could end before the pause
     streams.wait_for(20)
     assert client.pause_generation("in_place") == PAUSED
     assert not client.flush_cache(wait_s=0.5)  # held in place: not flushed, after waiting
@@ -139,7 +141,7 @@ def test_a_reload_refused_for_requests_under_way_is_sent_again_once_they_end(any
     assert answer["success"] and client.weight_version() == "new"  # the refused try left "default" reported
     finals = streams.join()  # the requests ran to their end
     assert [(f["meta_info"]["completion_tokens"], f["meta_info"]["finish_reason"]["type"]) for f in finals] == [
-        (NEW_TOKENS, "length")] * 2
+        (HELD_TOKENS, "length")] * 2
     assert client.flush_cache()  # nothing under way
 
 

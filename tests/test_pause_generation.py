@@ -20,10 +20,9 @@ from open_r1_ext.protocol import completion_from_generate
 from open_r1_ext.sglang_client import SGLangClient
 from tests.helpers import reward_len, tiny_config, tiny_dataset
 
-NEW_TOKENS = 300
 ABORTED_TOKENS = 1500  # what the abort test asks for
-HELD_TOKENS = 1000  # the in-place pause tests: requests still under way when the pause lands (with 300, a busy
-# machine's SGLang finished them first: the reload then found nothing to refuse for)
+HELD_TOKENS = 1000  # the retract and in-place pause tests: requests still under way when the pause lands (with 300, a
+# busy machine's SGLang finished some first: the reload then found nothing to refuse for, a retracted stream one span)
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -32,7 +31,7 @@ class Streams:
     """Long generations streamed on threads (`ignore_eos`, temperature 1, log-probs), their token counts followed so
     that a pause lands mid-sequence; `.finals` are the last chunks (with `meta_info.weight_versions`)."""
 
-    def __init__(self, url: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+    def __init__(self, url: str, prompts: list[list[int]], new_tokens: int):
         self.counts, self.finals, self.new_tokens = [0] * len(prompts), [None] * len(prompts), new_tokens
         self.threads = [threading.Thread(target=self._run, args=(url, prompt, i))
                         for i, prompt in enumerate(prompts)]
@@ -72,7 +71,7 @@ PROMPTS = [[5, 17, 30, 44, 9], [6, 17, 30, 44, 9], [7, 8]]
 
 def test_retract_pause_then_new_weights_go_on_with_the_new_weights_log_probs(any_server, tiny_model, other_tiny_model):
     client = SGLangClient(any_server.url, request_timeout=120)
-    streams = Streams(any_server.url, PROMPTS)
+    streams = Streams(any_server.url, PROMPTS, new_tokens=HELD_TOKENS)
     streams.wait_for(20)
     assert client.pause_generation("retract") == PAUSED
     time.sleep(0.5)  # what was sampled before the pause has been streamed by now (SGLang streams a few tokens late)
@@ -92,9 +91,10 @@ def test_retract_pause_then_new_weights_go_on_with_the_new_weights_log_probs(any
     assert completion_from_generate(late["r"]).weight_versions == [("new", 0, 4)]  # after the pause: new weights
     for prompt, final in zip(PROMPTS, streams.join()):
         completion = completion_from_generate(final)
+        assert len(completion.weight_versions or ()) == 2, (while_paused, completion.weight_versions)
         (old, start, split), (new, split_again, end) = completion.weight_versions
-        assert (old, start, new, split_again, end) == (before, 0, "new", split, NEW_TOKENS)
-        assert while_paused[PROMPTS.index(prompt)] == split < NEW_TOKENS and completion.weight_version == "new"
+        assert (old, start, new, split_again, end) == (before, 0, "new", split, HELD_TOKENS)
+        assert while_paused[PROMPTS.index(prompt)] == split < HELD_TOKENS and completion.weight_version == "new"
         served = torch.tensor(completion.logprobs)
         mine, other = (local_logprobs(path, prompt, completion.token_ids) for path in (tiny_model, other_tiny_model))
         # every token carries the log-prob of the weights it was drawn with: before the split the old model's,
@@ -132,7 +132,7 @@ def test_a_reload_refused_for_requests_under_way_is_sent_again_once_they_end(any
     the scheduler's for one iteration: a restore right after a generation failed CI that way). The client waits for
     them with `/flush_cache?timeout=` and reloads again. Made certain here by an `in_place` pause."""
     client = SGLangClient(any_server.url, request_timeout=120)
-    streams = Streams(any_server.url, PROMPTS[:2], new_tokens=HELD_TOKENS)  # fewer could end before the pause
+    streams = Streams(any_server.url, PROMPTS[:2], new_tokens=HELD_TOKENS)
     streams.wait_for(20)
     assert client.pause_generation("in_place") == PAUSED
     assert not client.flush_cache(wait_s=0.5)  # held in place: not flushed, after waiting

@@ -28,6 +28,7 @@ RESOURCES_LINE = re.compile(r"\] (server|ref-server|trainer) on (\S+): "  # jobs
                             r"resources: CUDA_VISIBLE_DEVICES=(\S+) cpus=(\d+)")
 SGLANG_VENV_PYTHON = ".venv-sglang/bin/python"  # where the README's install puts SGLang (`make sglang-venv`)
 NOT_ENDED = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")  # a job in one of these may still run
+pytestmark = pytest.mark.xdist_group("rehearsal")  # a worker of its own beside the other SLURM tests (conftest.py)
 
 
 def cpu_overrides(recipe: dict, run_dir: Path, tiny_model: Path, sglang_python: str) -> list[tuple[str, str]]:

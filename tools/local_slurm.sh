@@ -319,6 +319,13 @@ cmd_status() {
     return 1
 }
 
+# One start or stop at a time (`make test` has two pytest-xdist workers with SLURM tests, each starting the cluster):
+# the script runs again under flock, which holds the lock itself (-o), so the daemons started do not inherit it.
+if [[ "${1:-}" =~ ^(start|stop)$ && -z "${LOCAL_SLURM_LOCKED:-}" ]]; then
+    mkdir -p "$STATE_DIR"
+    LOCAL_SLURM_LOCKED=1 exec flock -o "$STATE_DIR/start-stop.lock" "$0" "$@"
+fi
+
 case "${1:-}" in
     start) cmd_start ;;
     stop) cmd_stop ;;

@@ -186,6 +186,32 @@ class RemoteGRPOConfig(GRPOConfig):
             a training step (sent to a server, or complete and waiting), each a group of `num_generations`
             completions; None is twice the prompts of a generation batch. More keeps the servers busier through
             long completions, at the price of staleness; at least the prompts of one generation batch.
+
+        > Dynamic sampling (DAPO)
+
+        dynamic_sampling (`bool`, *optional*, defaults to `False`):
+            Train only informative groups: a group whose completions' rewards do not spread (see
+            `dynamic_sampling_min_std`) has zero advantage, so it is dropped after its rewards are computed, and more
+            prompts are sampled until the generation batch is full of informative groups, the same size as without
+            filtering (DAPO's dynamic sampling). The prompts added are drawn at random from the training set, seeded
+            by (`seed`, step, process, round): a resumed run draws the same ones, and they do not advance the epoch;
+            a filtered prompt counts as seen in its epoch. The reference log-probs (and TRL's own log-probs) are
+            computed for the trained groups only. The decision is taken on every process's groups together, so each
+            process trains a full batch of the same size. Needs each process's generation batch to hold whole
+            groups, a map-style training set, and neither `tools` nor an `environment_factory`.
+        dynamic_sampling_reward (`str` or `None`, *optional*, defaults to `None`):
+            The reward function (by name, as in `rewards/<name>/mean`) whose spread decides; `None`: the weighted sum
+            of the rewards, which TRL normalizes into advantages.
+        dynamic_sampling_min_std (`float`, *optional*, defaults to `0.0`):
+            A group is informative when the standard deviation of its rewards is above this (0: any spread at all).
+        dynamic_sampling_max_rounds (`int`, *optional*, defaults to `4`):
+            The most extra generation rounds for one generation batch. When they are spent the batch is trained as
+            it is: its informative groups, topped up with filtered ones (zero advantage, as without filtering), and a
+            warning says so; `dynamic_sampling/informative_share` below 1 shows it.
+        dynamic_sampling_max_oversampling (`float`, *optional*, defaults to `2.0`):
+            When the last generation batch's groups were partly filtered, the next one asks for more prompts at once
+            (1 / the informative share last time, at most this multiple of the batch's prompts), so that a step
+            rarely needs a second round; 1.0 turns oversampling off. Informative groups beyond the batch are dropped.
     """
 
     ref_model_url: Optional[Union[str, list[str]]] = field(
@@ -309,6 +335,32 @@ class RemoteGRPOConfig(GRPOConfig):
                           "generation batch's).", **SYNC},
     )
 
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "Drop groups whose rewards do not spread (zero advantage) and sample more prompts until the "
+                          "batch is full of informative groups (DAPO's dynamic sampling)."},
+    )
+    dynamic_sampling_reward: Optional[str] = field(
+        default=None,
+        metadata={"help": "With dynamic_sampling: the reward function whose spread decides (default: the weighted sum "
+                          "of the rewards)."},
+    )
+    dynamic_sampling_min_std: float = field(
+        default=0.0,
+        metadata={"help": "With dynamic_sampling: a group is informative when its rewards' standard deviation is above "
+                          "this."},
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=4,
+        metadata={"help": "With dynamic_sampling: the most extra generation rounds per batch; then the batch trains as "
+                          "it is, topped up with filtered groups."},
+    )
+    dynamic_sampling_max_oversampling: float = field(
+        default=2.0,
+        metadata={"help": "With dynamic_sampling: ask for up to this multiple of a batch's prompts when recent groups "
+                          "were mostly filtered (1.0: never more)."},
+    )
+
     def __post_init__(self):
         steps, epochs = self.ref_model_sync_steps, self.ref_model_sync_epochs
         if steps is not None and epochs is not None:
@@ -395,6 +447,7 @@ class RemoteGRPOConfig(GRPOConfig):
                                  "its staleness bound counts one reload per step")
             self.max_weight_staleness = max(self.max_weight_staleness, 1)
         self._check_in_flight()
+        self._check_dynamic_sampling()
 
     def _check_in_flight(self) -> None:
         """`in_flight_updates` and `max_prompts_in_flight`: what they need (see the class docstring)."""
@@ -427,6 +480,23 @@ class RemoteGRPOConfig(GRPOConfig):
         if self.max_prompts_in_flight is not None and self.max_prompts_in_flight < rows // self.num_generations:
             raise ValueError(f"max_prompts_in_flight={self.max_prompts_in_flight}: at least the prompts of one generation "
                              f"batch per process ({rows // self.num_generations}), or a step could never fill")
+
+    def _check_dynamic_sampling(self) -> None:
+        """The `dynamic_sampling_*` fields' ranges, and what filtering needs (see the class docstring)."""
+        if not self.dynamic_sampling_min_std >= 0:
+            raise ValueError(f"dynamic_sampling_min_std={self.dynamic_sampling_min_std}: must be >= 0")
+        if self.dynamic_sampling_max_rounds < 0:
+            raise ValueError(f"dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds}: must be >= 0 (extra "
+                             "generation rounds per batch)")
+        if not self.dynamic_sampling_max_oversampling >= 1:
+            raise ValueError(f"dynamic_sampling_max_oversampling={self.dynamic_sampling_max_oversampling}: must be >= 1 "
+                             "(a multiple of a batch's prompts; 1.0 never asks for more)")
+        rows = self.per_device_train_batch_size * self.steps_per_generation
+        if self.dynamic_sampling and rows % self.num_generations:
+            raise ValueError(
+                f"dynamic_sampling=True needs each process's generation batch to hold whole groups: "
+                f"per_device_train_batch_size x steps_per_generation = {rows} is not a multiple of num_generations="
+                f"{self.num_generations}")
 
     @property
     def generation_on_server(self) -> bool:

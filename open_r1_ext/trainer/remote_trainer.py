@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import inspect
 import logging
 import os
 import threading
@@ -27,11 +28,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
+from trl.trainer.utils import get_config_model_id
 
 from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.openai_client import OpenAICompletionsClient
 from open_r1_ext.server_pool import ServerPool
-from open_r1_ext.sglang_client import ServerError, SGLangClient, served_vocabulary
+from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient, served_vocabulary
+from open_r1_ext.trainer.dynamic_sampling import dynamic_sampling
 from open_r1_ext.trainer.generation import remote_generation, server_client
 from open_r1_ext.trainer.inflight import InFlightGeneration
 from open_r1_ext.trainer.reference_prefetch import ReferencePrefetch
@@ -45,6 +48,8 @@ logger = logging.getLogger(__name__)
 # TRL's `vllm_mode` while remote generation stands in for vLLM: neither "colocate" nor "server", so no TRL code path
 # that reaches for a vLLM engine or client (e.g. the tool loop's context length under "colocate") runs.
 REMOTE_VLLM_MODE = "remote"
+# `GRPOTrainer.__init__`'s signature: `RemoteGRPOTrainer` takes exactly its arguments and passes each one through.
+TRL_INIT = inspect.signature(GRPOTrainer.__init__)
 
 
 class RemoteReference:
@@ -97,9 +102,10 @@ def leave_process_group() -> None:
 class RemoteGRPOTrainer(GRPOTrainer):
     """A `GRPOTrainer` whose reference model and/or generation run on SGLang-protocol servers.
 
-    Takes the same arguments as [`~trl.GRPOTrainer`], with `args` a [`RemoteGRPOConfig`]. With `ref_model_url` set
-    (and `beta > 0`) no reference model is built; with `generation_url` set, completions are sampled by the server
-    (`self.remote_generation`, see `generation.py`).
+    Takes every argument of [`~trl.GRPOTrainer`] with its default (`reward_funcs` may be left out when an
+    `environment_factory`'s environment owns the reward), `args` a [`RemoteGRPOConfig`] (default: TRL's, as one).
+    With `ref_model_url` set (and `beta > 0`) no reference model is built; with `generation_url` set, completions are
+    sampled by the server (`self.remote_generation`, see `generation.py`).
 
     Example:
         ```python
@@ -113,10 +119,18 @@ class RemoteGRPOTrainer(GRPOTrainer):
         ```
     """
 
-    def __init__(self, model, reward_funcs, args: RemoteGRPOConfig, *pargs, **kwargs):
+    def __init__(self, *pargs, **kwargs):
+        call = TRL_INIT.bind(self, *pargs, **kwargs)  # TRL's TypeError for a missing or unknown argument
+        call.apply_defaults()
+        arguments = call.arguments
+        args = arguments["args"]
+        if args is None:  # TRL's default config, as ours
+            model = arguments["model"]
+            args = arguments["args"] = RemoteGRPOConfig(
+                f"{(model if isinstance(model, str) else get_config_model_id(model.config)).split('/')[-1]}-GRPO")
         if not isinstance(args, RemoteGRPOConfig):
             raise TypeError(f"RemoteGRPOTrainer needs a RemoteGRPOConfig, got {type(args).__name__}")
-        if args.async_generation and kwargs.get("rollout_func") is not None:
+        if args.async_generation and arguments["rollout_func"] is not None:
             raise ValueError("rollout_func and async_generation=True are exclusive: the look-ahead samples TRL's own "
                              "single-turn batches, which a rollout_func replaces; set async_generation=False")
         remote_reference = args.remote_reference
@@ -126,7 +140,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
         args.beta = 0.0 if remote_reference else beta
         args.sync_ref_model = False
         try:
-            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+            super().__init__(**{name: value for name, value in arguments.items() if name != "self"})
         finally:
             args.beta, args.sync_ref_model = beta, sync_ref_model
         if sync_ref_model and is_peft_model(self.model):  # TRL's own refusal, which hiding the setting skipped
@@ -168,6 +182,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
                              "when it began, so pausing it for new weights would change nothing; set "
                              "in_flight_updates=False (async_generation alone works with LoRA)")
         self.remote_generation = remote_generation(self, self.weight_sync, InFlightGeneration)
+        self.dynamic_sampling = dynamic_sampling(self)  # fills each generation batch with informative groups
         if self.remote_generation is not None:
             self._use_importance_sampling(args.vllm_importance_sampling_correction)
         self._check_servers()
@@ -175,6 +190,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self._time_steps(remote_reference)
         self.stop_signal = StopOnSignal(self.accelerator)  # SIGTERM: checkpoint at the end of the step, then stop
         self.add_callback(self.stop_signal)
+
+    __init__.__signature__ = TRL_INIT  # every argument of TRL's, its defaults (help() and IDEs show them)
 
     # ----------------------------------------------------------------- set-up
     def _use_importance_sampling(self, enabled: bool) -> None:
@@ -323,7 +340,10 @@ class RemoteGRPOTrainer(GRPOTrainer):
         """TRL's, with the remote reference left for the loss: TRL asks for it before computing the rewards and uses
         it only in the loss, so the prefetched request runs on the server through the trainer's own log-probs, the
         rewards and the policy's forward of the loss (`_compute_loss`). The hook hands TRL a NaN placeholder, checked
-        here to be returned untouched and replaced in the loss."""
+        here to be returned untouched and replaced in the loss. With `dynamic_sampling`, TRL scores the batch of
+        informative groups `fill` formed from `inputs`."""
+        if self.dynamic_sampling is not None and self.model.training:
+            inputs = self.dynamic_sampling.fill(inputs)
         if self.reference_prefetch is None:
             return super()._generate_and_score_completions(inputs)
         self._deferred_reference = []
@@ -383,11 +403,14 @@ class RemoteGRPOTrainer(GRPOTrainer):
             scored = self.ref_client.ref_logprobs(reference_sequences(input_ids, attention_mask))
         return completion_logps(scored, input_ids, attention_mask, logits_to_keep)
 
-    def prefetch_reference(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
+    def prefetch_reference(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], kept: bool = False) -> None:
         """Send the reference request of a batch whose completions just came back (the generation's thread): the
         sequences TRL will score, each prompt + completion (the prompt alone for a truncated completion under
-        `mask_truncated_completions`). Not with tools or a `rollout_func`: their turns change the completions."""
+        `mask_truncated_completions`). Not with tools or a `rollout_func`: their turns change the completions. With
+        `dynamic_sampling`, only for the groups it `kept`."""
         if self.reference_prefetch is None or self.tools or self.rollout_func is not None:
+            return
+        if self.dynamic_sampling is not None and not kept:
             return
         with self.step_timer.part("reference_send"):
             stops = {*self.eos_token_ids, self._tokenizer.pad_token_id}
@@ -396,6 +419,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
                                           for prompt, ids in zip(prompt_ids, completion_ids)])
 
     def _calculate_rewards(self, *args, **kwargs):
+        if self.dynamic_sampling is not None and (kept := self.dynamic_sampling.take_rewards()) is not None:
+            return kept  # scored already, when the batch was formed
         with self.step_timer.part("rewards"):
             return super()._calculate_rewards(*args, **kwargs)
 
@@ -432,6 +457,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self._use_importance_sampling(False)
 
     def _generate(self, prompts):
+        if self.dynamic_sampling is not None and (sampled := self.dynamic_sampling.take_sampled(prompts)) is not None:
+            return sampled  # generated already, when the batch was formed
         if self.remote_generation is not None and self.rollout_func is not None:
             # TRL would sync vLLM before a rollout_func (it reads use_vllm, on here for its importance sampling);
             # the weight-sync callback has synced the server already.
@@ -534,8 +561,13 @@ class RemoteGRPOTrainer(GRPOTrainer):
         if self._metrics["train"] and (not history or history[-1].get("step", -1) < step):
             self.log({})
         checkpoint = self._save_resumable_checkpoint() if step > 0 else None
-        when = ("once the dump can be written (see the first line)" if isinstance(err, WeightDumpError)
-                else "once the server answers again (see its log)")
+        if isinstance(err, WeightDumpError):
+            when = "once the dump can be written (see the first line)"
+        elif isinstance(err, ServerRequestError):  # a refusal is no outage: the same request would be refused again
+            when = (f"once what the server refused (HTTP {err.status_code}, the first line) is fixed: sending the same "
+                    "request again would be refused again")
+        else:
+            when = "once the server answers again (see its log)"
         if checkpoint is None:
             return f"Training stopped at step {step}, with no checkpoint; run the same command again {when}."
         return (f"Training stopped at step {step}. A checkpoint to resume from is in {checkpoint}: run the same command "

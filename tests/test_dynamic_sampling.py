@@ -1,0 +1,115 @@
+"""Dynamic sampling (DAPO, `dynamic_sampling`) against real servers: every trained group's rewards spread, each batch
+is full, the remote reference scores the kept groups only, a batch whose groups are all uniform stops after
+`dynamic_sampling_max_rounds`. The reward makes half the prompts' groups uniform by construction (a dataset column),
+so no assertion rests on sampling luck."""
+
+import zlib
+
+import pytest
+from datasets import Dataset
+
+from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.config.grpo_config import RemoteGRPOConfig
+from tests.helpers import restore_default_weights, tiny_config
+
+GROUP = 4  # num_generations
+ROWS = 8  # per_device_train_batch_size: two groups per step
+
+
+def prompts(uniform_every: int, n: int = 8) -> Dataset:
+    """`n` prompts; those whose index is a multiple of `uniform_every` get the same reward for every completion."""
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+                               "uniform": i % uniform_every == 0} for i in range(n)])
+
+
+def spread_unless_uniform(completion_ids, uniform, **kwargs):
+    """1.0 for every completion of a uniform prompt; else a number drawn from the completion's tokens (distinct
+    completions of 8 random tokens get distinct numbers)."""
+    return [1.0 if flat else zlib.crc32(repr(list(ids)).encode()) % 1000 / 1000
+            for ids, flat in zip(completion_ids, uniform)]
+
+
+class RecordingTrainer(RemoteGRPOTrainer):
+    """Records what TRL trained in each generation batch (its own `_logs`: the batch's prompts and advantages) and the
+    sequences the reference server scored."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained: list[tuple[list[str], list[float]]] = []
+        self.scored: list[int] = []
+        client, ref_logprobs = self.ref_client, self.ref_client.ref_logprobs
+
+        def counted(sequences, *pargs, **kw):  # the real call to the reference server, counted
+            self.scored.append(len(sequences))
+            return ref_logprobs(sequences, *pargs, **kw)
+
+        client.ref_logprobs = counted
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.trained.append(([p[-1]["content"] for p in self._logs["prompt"]], output["advantages"].tolist()))
+        return output
+
+
+def groups_of(batch: tuple[list[str], list[float]]) -> list[tuple[set, list[float]]]:
+    texts, advantages = batch
+    return [(set(texts[i:i + GROUP]), advantages[i:i + GROUP]) for i in range(0, len(texts), GROUP)]
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def train(tiny_model, server, tmp_path, dataset, **settings) -> RecordingTrainer:
+    args = tiny_config(tmp_path, per_device_train_batch_size=ROWS, num_generations=GROUP, generation_url=server.url,
+                       ref_model_url=f"{server.url}/ref", **settings)
+    trainer = RecordingTrainer(model=str(tiny_model), reward_funcs=spread_unless_uniform, args=args,
+                               train_dataset=dataset)
+    try:
+        trainer.train()
+    finally:
+        restore_default_weights(server.url, tiny_model)
+    return trainer
+
+
+def assert_informative_full_batches(trainer, batches: int) -> None:
+    uniform = {f"What is {i} + {i}?" for i in range(0, 8, 2)}
+    assert len(trainer.trained) == batches
+    for batch in trainer.trained:
+        assert len(batch[0]) == ROWS  # full, as without filtering
+        for texts, advantages in groups_of(batch):
+            assert len(texts) == 1 and not texts & uniform, texts
+            assert any(abs(a) > 1e-3 for a in advantages), advantages
+
+
+def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_model, server, tmp_path):
+    trainer = train(tiny_model, server, tmp_path, prompts(uniform_every=2), max_steps=3, dynamic_sampling=True)
+    assert_informative_full_batches(trainer, batches=3)
+    assert logged(trainer, "frac_reward_zero_std") == [0.0, 0.0, 0.0]  # TRL's own count of the trained batch
+    assert logged(trainer, "dynamic_sampling/groups_kept") == [2.0, 2.0, 2.0]
+    generated = logged(trainer, "dynamic_sampling/groups_generated")
+    assert sum(generated) > 6 and logged(trainer, "dynamic_sampling/informative_share") == [1.0, 1.0, 1.0]
+    # the reference server scored each step's 8 trained sequences, none of the groups filtered out
+    assert trainer.scored == [ROWS] * 3
+
+
+def test_all_uniform_groups_stop_after_the_last_round_and_train_a_full_batch(tiny_model, server, tmp_path):
+    trainer = train(tiny_model, server, tmp_path, prompts(uniform_every=1), max_steps=2, dynamic_sampling=True,
+                    dynamic_sampling_max_rounds=1, dynamic_sampling_max_oversampling=1.0)
+    assert [len(batch[0]) for batch in trainer.trained] == [ROWS, ROWS]
+    assert logged(trainer, "dynamic_sampling/rounds") == [2.0, 2.0]  # the first and the one extra round
+    assert logged(trainer, "dynamic_sampling/groups_kept") == [0.0, 0.0]
+    assert logged(trainer, "dynamic_sampling/groups_generated") == [4.0, 4.0]
+    assert logged(trainer, "dynamic_sampling/informative_share") == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("settings, problem", [
+    (dict(dynamic_sampling_min_std=-0.1), "dynamic_sampling_min_std=-0.1: must be >= 0"),
+    (dict(dynamic_sampling_max_rounds=-1), "dynamic_sampling_max_rounds=-1: must be >= 0"),
+    (dict(dynamic_sampling_max_oversampling=0.5), "dynamic_sampling_max_oversampling=0.5: must be >= 1"),
+])
+def test_config_refuses_what_filtering_cannot_do(tmp_path, settings, problem):
+    with pytest.raises(ValueError, match=problem):
+        RemoteGRPOConfig(**{**dict(output_dir=str(tmp_path), num_generations=GROUP, per_device_train_batch_size=ROWS,
+                                   report_to=[], use_cpu=True), **settings})

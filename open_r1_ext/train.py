@@ -351,6 +351,9 @@ class StepPrinter(TrainerCallback):
         if not state.is_world_process_zero or not logs or "reward" not in logs:
             return
         extras = "".join(f"  {k} {logs[k]:.4f}" for k in ("kl", "loss") if k in logs)
+        if "dynamic_sampling/groups_kept" in logs:  # dynamic sampling: the batch's informative groups, of all generated
+            extras += (f"  groups {logs['dynamic_sampling/groups_kept']:g}/{logs['dynamic_sampling/groups_generated']:g}"
+                       f" kept in {logs['dynamic_sampling/rounds']:g} round(s)")
         print(f"step {state.global_step:>4}/{state.max_steps}  reward {logs['reward']:.4f}{extras}"
               f"{describe_step_time(logs)}", flush=True)
 

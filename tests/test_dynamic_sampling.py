@@ -10,6 +10,9 @@ from datasets import Dataset
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.config.grpo_config import RemoteGRPOConfig
+from open_r1_ext.launch.run_plot import SAMPLING_PANEL, plot_run
+from open_r1_ext.launch.run_status import format_status, run_status
+from open_r1_ext.train import MetricsLog, StepPrinter
 from tests.helpers import restore_default_weights, tiny_config
 
 GROUP = 4  # num_generations
@@ -65,7 +68,7 @@ def train(tiny_model, server, tmp_path, dataset, **settings) -> RecordingTrainer
     args = tiny_config(tmp_path, per_device_train_batch_size=ROWS, num_generations=GROUP, generation_url=server.url,
                        ref_model_url=f"{server.url}/ref", **settings)
     trainer = RecordingTrainer(model=str(tiny_model), reward_funcs=spread_unless_uniform, args=args,
-                               train_dataset=dataset)
+                               train_dataset=dataset, callbacks=[MetricsLog(), StepPrinter()])
     try:
         trainer.train()
     finally:
@@ -83,7 +86,7 @@ def assert_informative_full_batches(trainer, batches: int) -> None:
             assert any(abs(a) > 1e-3 for a in advantages), advantages
 
 
-def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_model, server, tmp_path):
+def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_model, server, tmp_path, capsys):
     trainer = train(tiny_model, server, tmp_path, prompts(uniform_every=2), max_steps=3, dynamic_sampling=True)
     assert_informative_full_batches(trainer, batches=3)
     assert logged(trainer, "frac_reward_zero_std") == [0.0, 0.0, 0.0]  # TRL's own count of the trained batch
@@ -92,6 +95,13 @@ def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_m
     assert sum(generated) > 6 and logged(trainer, "dynamic_sampling/informative_share") == [1.0, 1.0, 1.0]
     # the reference server scored each step's 8 trained sequences, none of the groups filtered out
     assert trainer.scored == [ROWS] * 3
+    # metrics.jsonl, the step line, status and plot show the groups
+    step_line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step    3/3")][0]
+    assert f"groups 2/{generated[-1]:g} kept in " in step_line
+    status = run_status(tmp_path)["dynamic_sampling"]
+    assert status["step"] == 3 and status["groups_kept"] == 2.0 and status["groups_generated"] == generated[-1]
+    assert f"sampling  step 3: kept 2 of {generated[-1]:g} groups generated" in format_status(run_status(tmp_path))
+    assert SAMPLING_PANEL in plot_run(tmp_path, tmp_path / "plot.png")
 
 
 def test_all_uniform_groups_stop_after_the_last_round_and_train_a_full_batch(tiny_model, server, tmp_path):

@@ -3,7 +3,8 @@
 Six panels over the steps: reward (mean and spread, and each reward function's mean, labelled when it gave every
 completion the same score), KL, loss, the step time (stacked areas of the trainer's `timing/*` parts when it logs
 them, else each step's wall time), the weight sync's parts (dump, waiting for the reload, waiting for the seal), and
-the staleness of each batch. Reads the same files as `status` (`run_status.run_metrics`, rollouts.jsonl); imports
+the staleness of each batch; with dynamic sampling a seventh, the groups per generation batch (generated, kept,
+filtered) and its rounds. Reads the same files as `status` (`run_status.run_metrics`, rollouts.jsonl); imports
 no TRL."""
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from open_r1_ext.launch.run_status import read_jsonl, run_metrics
+from open_r1_ext.launch.run_status import DYNAMIC_SAMPLING_METRICS, read_jsonl, run_metrics
 
 # The trainer's step-time parts (`trainer/step_timing.py`: disjoint, seconds per step) that make up a weight sync.
 SYNC_PARTS = ("timing/dump", "timing/reload_wait", "timing/seal_wait")
 PANELS = ("reward", "KL", "loss", "step time (s)", "weight sync (s)", "staleness (steps)")
-FIGSIZE, DPI = (12, 9), 100  # 1200 x 900 pixels
+SAMPLING_PANEL = "dynamic sampling (groups)"  # drawn only for a run that logs `dynamic_sampling/*`
+FIGSIZE, DPI = (12, 9), 100  # 1200 x 900 pixels; 3 inches (300 pixels) taller with the dynamic sampling panel
 
 
 def series(steps: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -79,8 +81,12 @@ def plot_run(run_dir: Path, out: Path) -> list[str]:
     if not steps:
         raise FileNotFoundError(f"{run_dir}: no logged step yet (no {run_dir}/metrics.jsonl or checkpoint "
                                 "trainer_state.json); plot again once the trainer has logged a step")
-    fig, axes = plt.subplots(3, 2, figsize=FIGSIZE, dpi=DPI, sharex=True)
-    panels = dict(zip(PANELS, axes.flat))
+    titles = PANELS + ((SAMPLING_PANEL,) if any("dynamic_sampling/groups_generated" in s for s in steps) else ())
+    rows = (len(titles) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(FIGSIZE[0], FIGSIZE[1] * rows / 3), dpi=DPI, sharex=True)
+    panels = dict(zip(titles, axes.flat))
+    for unused in axes.flat[len(titles):]:
+        unused.axis("off")
     drawn = []
 
     def draw(title: str, lines: dict[str, tuple[list[int], list[float]]], stacked: bool = False) -> None:
@@ -122,8 +128,12 @@ def plot_run(run_dir: Path, out: Path) -> list[str]:
     draw("staleness (steps)", {"staleness": ([r["step"] for r in rollouts], [r["staleness"] for r in rollouts])})
     panels["staleness (steps)"].set_ylim(-0.2, max([1] + [r["staleness"] for r in rollouts]) + 0.5)
     panels["staleness (steps)"].yaxis.get_major_locator().set_params(integer=True)
-    for ax in axes[-1]:
+    if SAMPLING_PANEL in panels:
+        draw(SAMPLING_PANEL, {name.replace("groups_", ""): series(steps, f"dynamic_sampling/{name}")
+                              for name in DYNAMIC_SAMPLING_METRICS if name != "informative_share"})
+    for ax in list(panels.values())[-2:]:  # each column's lowest panel
         ax.set_xlabel("step")
+        ax.tick_params(labelbottom=True)
     fig.suptitle(f"{run_dir.resolve().name}: step {steps[-1]['step']}/{steps[-1].get('max_steps') or '?'}")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,8 @@ from typing import Any, Optional
 from open_r1_ext.launch.slurm_plan import REF_SERVER, SERVER, TRAINER, RunFiles
 
 METRICS_FILE = "metrics.jsonl"  # one JSON object per trainer log (open_r1_ext.train.MetricsLog writes it)
+# The trainer's `dynamic_sampling/*` metrics (`trainer/dynamic_sampling.py`) that `status` and `plot` show.
+DYNAMIC_SAMPLING_METRICS = ("groups_generated", "groups_kept", "groups_filtered", "rounds", "informative_share")
 SCHEMA_VERSION = 1  # of `--json`; bumped only when a documented key changes meaning or goes away
 EVENTS_SHOWN = 8
 RATE_WINDOW = 10  # steps/s over the last this many logged steps
@@ -196,6 +198,16 @@ def staleness(run_dir: Path) -> Optional[dict]:
     return found
 
 
+def dynamic_sampling(run_dir: Path) -> Optional[dict]:
+    """With `dynamic_sampling`: the last logged step's groups (generated, kept, filtered: all processes'), rounds and
+    informative share (kept / the batch's groups), from the trainer's metrics (averaged over `logging_steps`)."""
+    logged = [s for s in run_metrics(run_dir)[0] if "dynamic_sampling/groups_generated" in s]
+    if not logged:
+        return None
+    last = logged[-1]
+    return {"step": last["step"], **{name: last.get(f"dynamic_sampling/{name}") for name in DYNAMIC_SAMPLING_METRICS}}
+
+
 def _iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
 
@@ -217,6 +229,7 @@ def run_status(run_dir: Path) -> dict:
         "trainer": trainer_progress(files.run_dir),
         "last_sync": last_syncs(files.run_dir),
         "staleness": staleness(files.run_dir),
+        "dynamic_sampling": dynamic_sampling(files.run_dir),
         "events": events[-EVENTS_SHOWN:],
     }
 
@@ -272,6 +285,11 @@ def format_status(status: dict) -> str:
             f"; in flight: its groups from weights {', '.join(map(str, found['versions']))}; "
             f"{found['dropped']} group(s) dropped as too stale (sent again) so far")
         lines.append(f"staleness {found['last']} step(s) at step {found['step']} (max {found['max']}){in_flight}")
+    sampled = status.get("dynamic_sampling")
+    if sampled:
+        lines.append(f"sampling  step {sampled['step']}: kept {sampled['groups_kept']:g} of {sampled['groups_generated']:g} "
+                     f"groups generated ({sampled['groups_filtered']:g} filtered) in {sampled['rounds']:g} round(s); "
+                     f"informative share {sampled['informative_share']:.2f}")
     for i, event in enumerate(status["events"]):
         lines.append(f"{'events' if i == 0 else '':<10}{event['at']} {event['message']}")
     return "\n".join(lines)

@@ -65,8 +65,8 @@ def logged(trainer, key: str) -> list[float]:
 
 
 def train(tiny_model, server, tmp_path, dataset, **settings) -> RecordingTrainer:
-    args = tiny_config(tmp_path, per_device_train_batch_size=ROWS, num_generations=GROUP, generation_url=server.url,
-                       ref_model_url=f"{server.url}/ref", **settings)
+    args = tiny_config(tmp_path, **{"per_device_train_batch_size": ROWS, "num_generations": GROUP,
+                                    "generation_url": server.url, "ref_model_url": f"{server.url}/ref", **settings})
     trainer = RecordingTrainer(model=str(tiny_model), reward_funcs=spread_unless_uniform, args=args,
                                train_dataset=dataset, callbacks=[MetricsLog(), StepPrinter()])
     try:
@@ -102,6 +102,35 @@ def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_m
     assert status["step"] == 3 and status["groups_kept"] == 2.0 and status["groups_generated"] == generated[-1]
     assert f"sampling  step 3: kept 2 of {generated[-1]:g} groups generated" in format_status(run_status(tmp_path))
     assert SAMPLING_PANEL in plot_run(tmp_path, tmp_path / "plot.png")
+
+
+@pytest.mark.parametrize("mode", [
+    dict(async_generation=True),
+    dict(async_generation=True, in_flight_updates=True),
+    dict(per_device_train_batch_size=GROUP, gradient_accumulation_steps=2, num_iterations=2, max_steps=4),
+], ids=["async", "in-flight", "num_iterations"])
+def test_overlapped_generation_and_reused_batches_train_informative_groups(tiny_model, server, tmp_path, mode):
+    trainer = train(tiny_model, server, tmp_path, prompts(uniform_every=2), **{"max_steps": 2, **mode},
+                    dynamic_sampling=True)
+    batches = 2  # with num_iterations=2, each generation batch trains two optimizer steps
+    assert_informative_full_batches(trainer, batches=batches)
+    assert trainer.scored == [ROWS] * batches
+
+
+def test_resumed_run_trains_the_batch_the_uninterrupted_one_did(tiny_model, server, tmp_path):
+    settings = dict(max_steps=3, dynamic_sampling=True, save_strategy="steps", save_steps=2)
+    whole = train(tiny_model, server, tmp_path / "whole", prompts(uniform_every=2), **settings)
+    assert_informative_full_batches(whole, batches=3)
+    args = tiny_config(tmp_path / "whole", per_device_train_batch_size=ROWS, num_generations=GROUP,
+                       generation_url=server.url, ref_model_url=f"{server.url}/ref", **settings)
+    resumed = RecordingTrainer(model=str(tiny_model), reward_funcs=spread_unless_uniform, args=args,
+                               train_dataset=prompts(uniform_every=2))
+    try:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    finally:
+        restore_default_weights(server.url, tiny_model)
+    assert resumed.trained[0][0] == whole.trained[2][0]  # the same prompts (refills included), in the same order
+    assert resumed.trained[0][1] == pytest.approx(whole.trained[2][1], abs=1e-5)
 
 
 def test_all_uniform_groups_stop_after_the_last_round_and_train_a_full_batch(tiny_model, server, tmp_path):

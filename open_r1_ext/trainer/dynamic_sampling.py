@@ -6,10 +6,12 @@ so its reference and policy log-probs are computed for them alone. Every process
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -18,6 +20,7 @@ from torch.utils.data import IterableDataset
 from trl.trainer.utils import nanstd
 
 logger = logging.getLogger(__name__)
+STATE_FILE = "dynamic_sampling.json"  # in a checkpoint: the informative share the next batch's oversampling follows
 
 
 @dataclass
@@ -116,6 +119,19 @@ class DynamicSampling:
         """The rewards of every process's kept groups, as TRL's `_calculate_rewards` returns them (gathered)."""
         rewards, self._rewards = self._rewards, None
         return rewards
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, checkpoint_dir: str) -> None:
+        """Keep the oversampling's estimate with a checkpoint (the same on every process: the main one writes it)."""
+        if self.trainer.accelerator.is_main_process:
+            (Path(checkpoint_dir) / STATE_FILE).write_text(json.dumps({"informative_share": self.informative_share}))
+
+    def resume_from(self, checkpoint_dir: str) -> None:
+        """Resuming from `checkpoint_dir`: oversample as the interrupted run would have (one saved without dynamic
+        sampling starts at none)."""
+        saved = Path(checkpoint_dir) / STATE_FILE
+        if saved.is_file():
+            self.informative_share = float(json.loads(saved.read_text())["informative_share"])
 
     # ------------------------------------------------------------------ rounds
     def _sample(self, rows: list[dict]) -> list[SampledGroup]:

@@ -518,7 +518,7 @@ class RemoteGRPOTrainer(GRPOTrainer):
         # another in a process can still be collected.
         gc.collect()
         gc.freeze()
-        self._resume_in_flight(kwargs.get("resume_from_checkpoint", args[0] if args else None))
+        self._resume_generation_state(kwargs.get("resume_from_checkpoint", args[0] if args else None))
         self.stop_signal.install()
         try:
             result = super().train(*args, **kwargs)
@@ -536,22 +536,26 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self.weight_sync.wait_durable()  # the last dumps on disk and their syncs logged before train() returns
         return result
 
-    def _resume_in_flight(self, checkpoint) -> None:
+    def _resume_generation_state(self, checkpoint) -> None:
         """With in-flight updates, resuming from `checkpoint` (a path, or True: the last one in `output_dir`): the groups
-        saved with it are drawn again."""
-        if not isinstance(self.remote_generation, InFlightGeneration) or not checkpoint:
+        saved with it are drawn again; with dynamic sampling, its oversampling goes on as saved."""
+        resuming = [self.remote_generation] if isinstance(self.remote_generation, InFlightGeneration) else []
+        resuming += [self.dynamic_sampling] if self.dynamic_sampling is not None else []
+        if not resuming or not checkpoint:
             return
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
-        if checkpoint:
-            self.remote_generation.resume_from(checkpoint)
+        for part in resuming if checkpoint else ():
+            part.resume_from(checkpoint)
 
     def _save_checkpoint(self, model, trial):
         self.weight_sync.wait_durable()  # a checkpoint never runs ahead of the weight-sync log its resume reads
         result = super()._save_checkpoint(model, trial)
+        checkpoint_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if isinstance(self.remote_generation, InFlightGeneration):  # the groups read and not trained, drawn again on resume
-            self.remote_generation.save_state(os.path.join(self._get_output_dir(trial=trial),
-                                                           f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
+            self.remote_generation.save_state(checkpoint_dir)
+        if self.dynamic_sampling is not None:  # the oversampling's estimate
+            self.dynamic_sampling.save_state(checkpoint_dir)
         return result
 
     def _stop_after_failure(self, err: ServerError) -> str:

@@ -92,8 +92,7 @@ UNSUPPORTED_GENERATE_FIELDS: dict[str, Any] = {
     "cache_salt": None, "kv_hints": None,
 }
 UNSUPPORTED_SAMPLING_FIELDS: dict[str, Any] = {
-    "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "beam_width": None, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "stop_regex": None, "beam_width": None, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
     "stream_interval": None, "custom_params": None, "watermark": None,
 }
 UNSUPPORTED_COMPLETION_FIELDS: dict[str, Any] = {
@@ -187,6 +186,9 @@ class SamplingParams(_Strict):
     top_k: StrictInt = Field(-1, ge=-1, le=TOP_K_MAX)
     min_p: Number = Field(0.0, ge=0.0, le=1.0)
     min_new_tokens: StrictInt = Field(0, ge=0)
+    frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Number = Field(1.0, gt=0.0, le=2.0)
     stop: Union[StrictStr, list[StrictStr], None] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     ignore_eos: StrictBool = False
@@ -208,6 +210,12 @@ class SamplingParams(_Strict):
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether the tokens sampled so far change the next token's logits (`frequency_penalty`, `presence_penalty`,
+        `repetition_penalty`)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def stop_strings(self) -> list[str]:

@@ -374,6 +374,11 @@ class ServerPool:
             self._drop(replica, ServerError(f"{replica.url}: no connection (refused or reset)"))
         return sum(state == HEALTHY for state in found.values()) >= self.min_replicas
 
+    def check_sampling(self, sampling: dict) -> None:
+        """`SGLangClient.check_sampling` on every replica ready to serve: the first refusal raises."""
+        self._serving()
+        self._each_ready(lambda client: client.check_sampling(sampling))
+
     # ------------------------------------------------------------ metadata
     def model_info(self) -> dict:
         return self._any(lambda client: client.model_info())

@@ -65,6 +65,7 @@ CACHE_NOT_FLUSHED = "the cache was not flushed"
 CACHE_FLUSH_ATTEMPTS = 3
 CACHE_FLUSH_WAIT_S = 30.0
 HEALTHY, BUSY, DOWN = "healthy", "busy", "down"  # what `SGLangClient.probe` found
+PROBE_TOKEN_ID = 0  # the one-token prompt of `SGLangClient.check_sampling`: an id every vocabulary has
 
 # SGLang 0.5.23's `sampling_params` keys (`sglang/srt/sampling/sampling_params.py` ~148-181, the API fields of
 # `SamplingParams`; any other key fails `SamplingParams(**kwargs)` in `tokenizer_manager.py` ~1565 with HTTP 400).
@@ -74,8 +75,28 @@ SGLANG_SAMPLING_PARAMS = (
     "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
     "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "watermark",
 )
-# vLLM's names of settings SGLang has under another name.
+# vLLM's and transformers' (`generate()`, TRL's local generation) names of settings SGLang has under another name.
 VLLM_TWINS = {"min_tokens": "min_new_tokens"}
+TRANSFORMERS_TWINS = {"stop_strings": "stop", "eos_token_id": "stop_token_ids"}
+# transformers `generate()` settings that change nothing on a server, with the values that do so (None: any value).
+HARMLESS_GENERATE_KWARGS = {"do_sample": (True,), "pad_token_id": None, "bos_token_id": None, "use_cache": None,
+                            "cache_implementation": None, "disable_compile": None}
+# transformers `generate()` settings SGLang has no equivalent for, and the nearest setting to use instead.
+TRANSFORMERS_NEAREST = {
+    "do_sample": "temperature: 0 (greedy decoding; do_sample: true is what sampling already does)",
+    "num_beams": "none: GRPO samples num_generations completions per prompt (SGLang's beam_width is beam search)",
+    "num_beam_groups": "none (beam search)", "diversity_penalty": "none (beam search)",
+    "length_penalty": "none (beam search)", "early_stopping": "none (beam search)",
+    "no_repeat_ngram_size": "repetition_penalty or frequency_penalty (SGLang bans no n-grams)",
+    "encoder_repetition_penalty": "repetition_penalty",
+    "min_length": "min_new_tokens (min_length counts the prompt)",
+    "max_length": "max_completion_length (the trainer sets max_new_tokens)",
+    "num_return_sequences": "num_generations", "typical_p": "top_p or min_p", "epsilon_cutoff": "min_p",
+    "eta_cutoff": "min_p", "top_h": "top_p", "top_nsigma": "top_p or min_p",
+    "bad_words_ids": "logit_bias", "suppress_tokens": "logit_bias", "begin_suppress_tokens": "logit_bias",
+    "sequence_bias": "logit_bias", "forced_bos_token_id": "logit_bias", "forced_eos_token_id": "stop_token_ids",
+    "exponential_decay_length_penalty": "none", "guidance_scale": "none", "renormalize_logits": "none",
+}
 # Keys the trainer sets itself for every sample, and the setting that controls each.
 TRAINER_SET = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
                "n": "num_generations", "sampling_seed": "seed (one sampling_seed per sample is derived from it)",
@@ -317,6 +338,14 @@ class SGLangClient:
     def weight_version(self) -> Optional[str]:
         return self.model_info().get("weight_version")
 
+    def check_sampling(self, sampling: dict) -> None:
+        """At start-up: a one-token `/generate` with `sampling` (the run's `sampling_params`), so that a setting the
+        server refuses (HTTP 400 naming it) is found before training starts; `ServerRequestError` then."""
+        probe = {**sampling, "max_new_tokens": 1}
+        if "min_new_tokens" in probe:
+            probe["min_new_tokens"] = min(probe["min_new_tokens"], 1)
+        self.post_json("/generate", generate_request([[PROBE_TOKEN_ID]], [probe]))
+
     def check_token_ids(self, sequences: Sequence[Sequence[int]], what: str = "sequence") -> None:
         """`OutOfVocabularyError` naming the first id of `sequences` outside the served model's vocabulary
         (`served_vocabulary`, asked once, at the first request); nothing when the vocabulary cannot be known here."""
@@ -526,19 +555,29 @@ def _aborted(result: dict) -> bool:
 
 
 def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs", max_new_tokens: Optional[int] = None) -> dict:
-    """`kwargs` as SGLang `sampling_params`: vLLM names with an SGLang twin renamed (`min_tokens` ->
-    `min_new_tokens`); a key SGLang does not know, one the trainer sets for every sample, or a value outside the range
-    SGLang takes (`sampling_range_problems`, with the completions' `max_new_tokens`) raises `ValueError` naming it
-    and the fix (SGLang would answer every request with HTTP 400)."""
+    """`kwargs` as SGLang `sampling_params`: vLLM and transformers names with an SGLang twin renamed (`min_tokens` ->
+    `min_new_tokens`, `stop_strings` -> `stop`, `eos_token_id` -> `stop_token_ids`), transformers settings that change
+    nothing on a server dropped (`do_sample: true`, `pad_token_id`, ...); a key SGLang does not know (a transformers
+    one named with its nearest SGLang setting, `TRANSFORMERS_NEAREST`), one the trainer sets for every sample, or a
+    value outside the range SGLang takes (`sampling_range_problems`, with the completions' `max_new_tokens`) raises
+    `ValueError` naming it and the fix (SGLang would answer every request with HTTP 400)."""
     out, given = {}, {}
     for key, value in (kwargs or {}).items():
-        name = VLLM_TWINS.get(key, key)
+        harmless = HARMLESS_GENERATE_KWARGS.get(key, ())
+        if key in HARMLESS_GENERATE_KWARGS and (harmless is None or value in harmless):
+            continue
+        if key in TRANSFORMERS_NEAREST:
+            raise ValueError(f"{where}.{key}={value!r}: a transformers generate() setting SGLang has no equivalent "
+                             f"for; nearest SGLang setting: {TRANSFORMERS_NEAREST[key]}")
+        name = VLLM_TWINS.get(key) or TRANSFORMERS_TWINS.get(key, key)
+        if name == "stop_token_ids" and isinstance(value, int):
+            value = [value]
         if name in TRAINER_SET:
             raise ValueError(f"{where}.{key}: set by the trainer for every sample; use {TRAINER_SET[name]}")
         if name not in SGLANG_SAMPLING_PARAMS:
             raise ValueError(f"{where}.{key}: not a sampling parameter of SGLang; valid names: "
                              f"{', '.join(k for k in SGLANG_SAMPLING_PARAMS if k not in TRAINER_SET)} "
-                             f"(vLLM's {', '.join(f'{a} is {b}' for a, b in VLLM_TWINS.items())})")
+                             f"(vLLM's and transformers' {', '.join(f'{a} is {b}' for a, b in (VLLM_TWINS | TRANSFORMERS_TWINS).items())})")
         if name in out:
             raise ValueError(f"{where}: {given[name]} and {key} are the same setting; give one")
         out[name], given[name] = value, key

@@ -73,7 +73,6 @@ BAD = [
     (lambda r: r["servers"]["generation"].update(SGLANG), "servers.reference", "give the reference a server of its own"),
     (lambda r: (r["servers"].update(generation=SGLANG, reference=SGLANG), r["sync"].update(sync_ref_model=True, ref_model_mixup_alpha=0.5)),
      "sync.ref_model_mixup_alpha", "cannot mix"),
-    (lambda r: r["trainer"].update(min_p=0.1), "trainer.min_p", "built-in server does not support"),
     (lambda r: r["servers"]["generation"].update(engine="openai"), "servers.generation.url", "already running"),
     (lambda r: r["servers"]["generation"].update(engine="vllm"), "servers.generation.engine", "not one of builtin, sglang, openai"),
     (lambda r: r["servers"].update(reference={"engine": "openai", "url": "http://h:1"}), "servers.reference.engine",

@@ -340,7 +340,7 @@ BAD_GENERATE_VALUES = [
     ("token_ids_logprob", [VOCAB], "token_ids_logprob"), ("lora_path", "adapter", "lora_path: the LoRA adapter 'adapter' was requested, but LoRA is not enabled"),
     ("lora_path", 5, "lora_path"),
     ("sampling_params.regex", "a+", "sampling_params.regex: not supported"),
-    ("sampling_params.repetition_penalty", 1.2, "repetition_penalty"), ("sampling_params.logit_bias", {"x": 1.0}, "logit_bias"),
+    ("sampling_params.repetition_penalty", 2.5, "repetition_penalty"), ("sampling_params.logit_bias", {"x": 1.0}, "logit_bias"),
     ("text", 5, "text"),
 ]
 BAD_COMPLETION_VALUES = [

@@ -852,11 +852,6 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
         if generation.engine == "openai" and generation.url is None:
             problems.append(("servers.generation.url", "engine: openai uses an OpenAI-compatible server that is already "
                                                        "running: give its URL"))
-        if generation.engine == "builtin":
-            if recipe.setting("min_p") is not None:
-                problems.append(("trainer.min_p", "the built-in server does not support it; remove it or use engine: sglang"))
-            if recipe.setting("repetition_penalty") != 1.0:
-                problems.append(("trainer.repetition_penalty", "the built-in server does not support it; use engine: sglang"))
     if isinstance(reference, ServerSpec) and reference.engine == "openai":
         problems.append(("servers.reference.engine", "an OpenAI-compatible server cannot give reference log-probs: use "
                                                      "engine: builtin or sglang, or reference: local"))

@@ -167,7 +167,7 @@ class ModelEngine:
     def _next_tokens(self, tasks: list[GenerationTask], logits: torch.Tensor, generators) -> torch.Tensor:
         """One decode step for all rows at once: pick each unfinished task's token (greedy, or sampled with its own
         generator by the Gumbel-max trick over its top-k/top-p/min-p set), record its log-prob (temperature-scaled,
-        after `logit_bias`, as SGLang returns them) and whether it finished. Finished rows get the pad token."""
+        after the penalties and `logit_bias`, as SGLang returns them) and whether it finished. Finished rows get the pad token."""
         next_ids = torch.full((len(tasks),), self.pad_token_id, dtype=torch.long, device=self.device)
         for task in tasks:
             if task.aborted and task.finish is None:
@@ -211,9 +211,12 @@ class ModelEngine:
         return set() if params.ignore_eos else set(params.stop_token_ids or ()) | self.eos_token_ids
 
     def _adjust_logits(self, logits: torch.Tensor, tasks: list[GenerationTask]) -> None:
-        """In place, per row: `logit_bias` added; the stop tokens masked while fewer than `min_new_tokens` are out."""
+        """In place, per row, in SGLang's order: the penalties on the tokens sampled so far (`_penalize`), then
+        `logit_bias` added; the stop tokens masked while fewer than `min_new_tokens` are out."""
         for k, task in enumerate(tasks):
             params = task.params
+            if params.penalizes and task.output_ids:
+                _penalize(logits[k], task.prompt[-1:] + task.output_ids[:-1], params)
             if params.logit_bias:
                 ids = torch.tensor([int(t) for t in params.logit_bias], device=self.device)
                 logits[k, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=self.device)
@@ -554,6 +557,24 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 def _gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """`log_softmax(logits)[targets]` without materialising the full log-softmax twice."""
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _penalize(logits: torch.Tensor, penalized: list[int], params: SamplingParams) -> None:
+    """SGLang 0.5.23's penalties (`sampling/penaltylib/`), in place on one row of raw logits (before temperature and
+    the top-k/top-p/min-p filters, so the returned log-probs are the penalized ones): each token of `penalized` has
+    its logit lowered by `frequency_penalty` times its count and by `presence_penalty`, then, with
+    `repetition_penalty` p, divided by p where positive, multiplied by p where negative (additive before scaling, the
+    order of SGLang's default overlap scheduler).
+
+    Which tokens, as SGLang's default (overlap) scheduler counts them (`ScheduleBatch.cumulate_penalty_output_tokens`,
+    fed at each decode step the last token the request has recorded, one step behind): for output token t >= 1, the
+    prompt's last token and output tokens 0 .. t-2; none for token 0. So the prompt counts for its last token only,
+    and the token just sampled is penalized from the step after next (greedy outputs and log-probs checked equal to
+    SGLang's on the CPU, tests/test_trl_habits.py)."""
+    ids, counts = torch.tensor(penalized, device=logits.device).unique(return_counts=True)
+    seen = logits[ids] - (float(params.frequency_penalty) * counts + float(params.presence_penalty))
+    penalty = float(params.repetition_penalty)
+    logits[ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
 
 
 def _top_k_top_p(logprobs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:

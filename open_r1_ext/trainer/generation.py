@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 import sys
 import threading
 import time
@@ -115,10 +116,15 @@ class RemoteGeneration:
         return completions
 
     def check_sampling(self) -> None:
-        """At start-up, after the server's probe: an OpenAI-compatible server refuses now the sampling settings it
-        cannot be sent (`OpenAICompletionsClient.check_sampling`), rather than at the first batch."""
-        if isinstance(self.client, OpenAICompletionsClient):
-            self.client.check_sampling(self._sampling_params())
+        """At start-up, before the first batch: an SGLang-protocol server (every replica of a pool) is sent a one-token
+        request with this run's sampling settings, and a refusal stops the run now, naming the settings it refused
+        (`ValueError`, `refused_sampling_message`); an OpenAI-compatible server refuses those it cannot be sent
+        (`OpenAICompletionsClient.check_sampling`)."""
+        sampling = self._sampling_params()
+        try:
+            self.client.check_sampling(sampling)
+        except ServerRequestError as err:
+            raise ValueError(refused_sampling_message(err, sampling, self.trainer.args.generation_kwargs or {})) from None
 
     @property
     def gives_sampling_logprobs(self) -> bool:
@@ -339,11 +345,15 @@ class RemoteGeneration:
             "start the servers with a larger --context-length")
 
     def _sampling_params(self) -> dict:
+        """The run's SGLang `sampling_params`: what TRL's config sends a vLLM server (`SAMPLING_SOURCES`), then the
+        user's `generation_kwargs`, which win (as TRL's)."""
         trainer = self.trainer
         params = dict(temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k,
                       stop_token_ids=trainer.eos_token_ids, min_p=trainer.min_p,
                       repetition_penalty=trainer.repetition_penalty)
-        params.update(trainer.args.generation_kwargs or {})  # the user's generation_kwargs win, as before
+        if trainer.args.vllm_structured_outputs_regex is not None:
+            params["regex"] = trainer.args.vllm_structured_outputs_regex
+        params.update(trainer.args.generation_kwargs or {})
         return sampling_params(trainer.max_completion_length, **params)
 
     def _seeds(self, count: int, salt: object = 0) -> list[int]:
@@ -535,6 +545,29 @@ class RolloutQueue:
         self._pending.clear()
         self._executor.shutdown(wait=True)
         sys.setswitchinterval(self._switch_interval)
+
+
+# Where each SGLang `sampling_params` key of a run comes from, when not from `generation_kwargs` (RemoteGRPOConfig
+# fields, TRL's own, as TRL maps them to vLLM's sampling).
+SAMPLING_SOURCES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_completion_length",
+                    "regex": "vllm_structured_outputs_regex", "stop_token_ids": "the tokenizer's EOS ids"}
+
+
+def refused_sampling_message(err: ServerRequestError, sampling: dict, generation_kwargs: dict) -> str:
+    """What a server's refusal of the run's `sampling` says to the user: the settings it names (each with where it is
+    set: a config field, or `generation_kwargs.<key>`), the server's message, and the fix (not an outage: the same
+    request would be refused again)."""
+    def source(key: str) -> str:
+        return f"generation_kwargs.{key}" if key in generation_kwargs else SAMPLING_SOURCES.get(key, key)
+
+    named = ([key for key in sampling if re.search(rf"\b{key}\b", err.detail)]
+             or [key for key in sampling if key in generation_kwargs])
+    settings = ", ".join(f"{source(key)}={sampling[key]!r}" for key in named) or "this run's sampling settings"
+    return (f"The generation server refuses {settings}: {err}\nThis is a refusal, not an outage: the same request "
+            "would be refused again. Change or remove the setting (a recipe's trainer: section, or RemoteGRPOConfig), "
+            "or generate with a server that takes it (real SGLang takes every SGLang sampling parameter; the built-in "
+            "server refuses stop_regex, regex, json_schema, ebnf, structural_tag, beam_width, custom_params).")
 
 
 def prompts_key(prompt_ids) -> tuple:

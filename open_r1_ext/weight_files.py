@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ TEMPORARY = ".tmp-"  # `.step-7.tmp-<pid>`: a dump being written; removed at the
 DEFAULT_BUCKET_MB = 1024.0  # a dump's largest shard by default: `sync.bucket_mb` (RemoteGRPOConfig.bucket_mb)
 CHECKSUM = "xxh3_128"  # ~10 GB/s in memory here, 9x sha256; it guards against damage, not against an attacker
 READ_CHUNK = 4 << 20  # bytes a checksum reads at a time into one reused buffer (xxhash releases the GIL above 64 KiB)
+REMEMBERED_CHECKSUMS = 4096  # files whose checksum one process remembers while they do not change
 
 
 class WeightFileError(ValueError):
@@ -68,9 +70,39 @@ def checksum_of(path: Path, size: int) -> str:
     return digest.hexdigest()
 
 
+_remembered: dict[tuple, str] = {}  # `remembered_checksum`'s: (path, device, inode, size, mtime, ctime) -> checksum
+_remembered_lock = threading.Lock()  # the seal runs on a background thread, the checks before a reload on another
+
+
+def remembered_checksum(path: Path, size: int, reuse: bool) -> str:
+    """`checksum_of`, remembered by this process for a file while it does not change (the same inode, size, mtime and
+    ctime); with `reuse`, a file remembered is not read again: `check_reloadable` before each reload (a restore to
+    every replica of a pool) reads a dump that this process sealed or verified at most once. Up to
+    `REMEMBERED_CHECKSUMS` files, the oldest forgotten first."""
+    key = _identity(path)
+    with _remembered_lock:
+        if reuse and key in _remembered:
+            return _remembered[key]
+    digest = checksum_of(path, size)
+    if _identity(path) == key:  # not changed while it was read
+        with _remembered_lock:
+            while len(_remembered) >= REMEMBERED_CHECKSUMS:
+                del _remembered[next(iter(_remembered))]
+            _remembered[key] = digest
+    return digest
+
+
+def _identity(path: Path) -> tuple:
+    try:
+        found = os.stat(path)
+    except OSError as err:
+        raise WeightFileError(f"{path.parent}: cannot read {path.name}: {err.strerror or err}") from err
+    return os.fspath(path), found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns
+
+
 def check_manifest(directory: Path, checksums: bool) -> None:
     """Raise `WeightFileError` unless every file in the manifest is present with its size (and, if `checksums`,
-    its checksum: the dump must be sealed)."""
+    its checksum, each file read: the dump must be sealed)."""
     _check_files(directory, _manifest_files(directory), checksums)
 
 
@@ -79,12 +111,12 @@ def check_reloadable(directory: Path) -> None:
     its manifest's files and sizes, and their checksums once it is sealed. A dump is reloaded moments after it was
     written, before its seal; a sealed one is being reused (a restored or joining server, a resume), and only the
     checksums tell a damaged file of the right size from a good one: SGLang's scheduler dies on a damaged
-    safetensors file."""
+    safetensors file. A file this process sealed or verified and that has not changed since is not read again."""
     files = _manifest_files(directory)
-    _check_files(directory, files, checksums=all(CHECKSUM in entry for entry in files.values()))
+    _check_files(directory, files, checksums=all(CHECKSUM in entry for entry in files.values()), reuse=True)
 
 
-def _check_files(directory: Path, files: dict[str, dict], checksums: bool) -> None:
+def _check_files(directory: Path, files: dict[str, dict], checksums: bool, reuse: bool = False) -> None:
     for name, expected in files.items():
         path = directory / name
         if not os.path.lexists(path):
@@ -97,7 +129,7 @@ def _check_files(directory: Path, files: dict[str, dict], checksums: bool) -> No
         if CHECKSUM not in expected:
             raise WeightFileError(f"{directory}: {MANIFEST} has no {CHECKSUM} checksums: the dump was never sealed "
                                   "(its sync was not logged); use a logged dump")
-        if expected[CHECKSUM] != checksum_of(path, size):
+        if expected[CHECKSUM] != remembered_checksum(path, size, reuse):
             raise WeightFileError(f"{directory}: file {name} does not match its {CHECKSUM} checksum in {MANIFEST} "
                                   "(damaged after it was written)")
 
@@ -213,7 +245,7 @@ def seal_weight_dir(directory: Path) -> None:
     if any(CHECKSUM not in entry for entry in files.values()):
         check_manifest(directory, checksums=False)  # never checksum a file that changed since it was published
         for name, entry in files.items():
-            entry[CHECKSUM] = checksum_of(directory / name, entry["size"])
+            entry[CHECKSUM] = remembered_checksum(directory / name, entry["size"], reuse=False)
         _write_manifest(directory, files)
     for name in sorted(files) + [MANIFEST]:
         _fsync(directory / name)

@@ -18,8 +18,8 @@ import xxhash
 from safetensors.torch import save_file
 
 from open_r1_ext import weight_files
-from open_r1_ext.weight_files import (MANIFEST, READ_CHUNK, WeightFileError, check_manifest, read_weight_dir,
-                                      seal_weight_dir, write_weight_dir)
+from open_r1_ext.weight_files import (MANIFEST, READ_CHUNK, WeightFileError, check_manifest, check_reloadable,
+                                      read_weight_dir, seal_weight_dir, write_weight_dir)
 
 SHARD = "model.safetensors"
 SHARD_BYTES = 3 * READ_CHUNK  # several reads of a checksum (and many pages of a mapping)
@@ -225,3 +225,26 @@ def test_checksum_is_of_the_whole_file_read_in_chunks(tmp_path):
     with pytest.raises(WeightFileError, match=rf"{re.escape(str(dump))}: file {SHARD} changed while its checksum was "
                                               rf"computed: it has {size + 1} bytes, {MANIFEST} says {size}"):
         weight_files.checksum_of(dump / SHARD, size)
+
+
+def test_a_dump_checked_before_each_reload_is_read_once_while_unchanged(tmp_path, monkeypatch):
+    """`check_reloadable` (before every reload: a restore reloads each replica of a pool) reads no file that this
+    process sealed or verified and that has not changed since; a file rewritten since, even with the same size, is
+    read again and its damage found. `check_manifest(checksums=True)` always reads."""
+    dump = fresh_dump(make_shard(tmp_path / "source"), tmp_path / "step-1")
+    seal_weight_dir(dump)
+    reads = []
+    real = weight_files.checksum_of
+    monkeypatch.setattr(weight_files, "checksum_of", lambda path, size: reads.append(path.name) or real(path, size))
+    for _ in range(3):
+        check_reloadable(dump)
+    assert reads == []
+    check_manifest(dump, checksums=True)
+    assert sorted(reads) == sorted(json.loads((dump / MANIFEST).read_text())["files"])
+    reads.clear()
+    with open(dump / SHARD, "r+b") as handle:  # the same size, one byte changed
+        handle.seek(SHARD_BYTES // 2)
+        handle.write(b"\xff")
+    with pytest.raises(WeightFileError, match=rf"file {SHARD} does not match its xxh3_128 checksum"):
+        check_reloadable(dump)
+    assert reads == [SHARD]

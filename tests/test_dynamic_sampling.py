@@ -3,6 +3,10 @@ is full, the remote reference scores the kept groups only, a batch whose groups 
 `dynamic_sampling_max_rounds`. The reward makes half the prompts' groups uniform by construction (a dataset column),
 so no assertion rests on sampling luck."""
 
+import json
+import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -13,7 +17,7 @@ from open_r1_ext.config.grpo_config import RemoteGRPOConfig
 from open_r1_ext.launch.run_plot import SAMPLING_PANEL, plot_run
 from open_r1_ext.launch.run_status import format_status, run_status
 from open_r1_ext.train import MetricsLog, StepPrinter
-from tests.helpers import restore_default_weights, tiny_config
+from tests.helpers import REPO, restore_default_weights, tiny_config
 
 GROUP = 4  # num_generations
 ROWS = 8  # per_device_train_batch_size: two groups per step
@@ -64,15 +68,17 @@ def logged(trainer, key: str) -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def train(tiny_model, server, tmp_path, dataset, **settings) -> RecordingTrainer:
+def train(tiny_model, server, tmp_path, dataset, generation=None, **settings) -> RecordingTrainer:
+    """A run generating on `generation` (default: `server`) with its reference on the built-in `server`'s slot."""
+    generation_url = (generation or server).url
     args = tiny_config(tmp_path, **{"per_device_train_batch_size": ROWS, "num_generations": GROUP,
-                                    "generation_url": server.url, "ref_model_url": f"{server.url}/ref", **settings})
+                                    "generation_url": generation_url, "ref_model_url": f"{server.url}/ref", **settings})
     trainer = RecordingTrainer(model=str(tiny_model), reward_funcs=spread_unless_uniform, args=args,
                                train_dataset=dataset, callbacks=[MetricsLog(), StepPrinter()])
     try:
         trainer.train()
     finally:
-        restore_default_weights(server.url, tiny_model)
+        restore_default_weights(generation_url, tiny_model)
     return trainer
 
 
@@ -117,6 +123,36 @@ def test_overlapped_generation_and_reused_batches_train_informative_groups(tiny_
     assert trainer.scored == [ROWS] * batches
 
 
+def test_in_flight_on_real_sglang_trains_informative_groups(tiny_model, server, shared_sglang, tmp_path):
+    trainer = train(tiny_model, server, tmp_path, prompts(uniform_every=2), generation=shared_sglang, max_steps=2,
+                    async_generation=True, in_flight_updates=True, dynamic_sampling=True)
+    assert_informative_full_batches(trainer, batches=2)
+    assert trainer.scored == [ROWS] * 2
+
+
+def test_two_trainer_processes_share_out_the_kept_groups(tiny_model, server, tmp_path):
+    """Each of two processes trains one group per step (accelerate launch, CPU, gloo: this module run as a script)."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    try:
+        result = subprocess.run([*launcher, "-m", "tests.test_dynamic_sampling", str(tiny_model), server.url,
+                                 str(tmp_path)], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    finally:
+        restore_default_weights(server.url, tiny_model)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank-{i}.json").read_text()) for i in range(2)]
+    uniform = {f"What is {i} + {i}?" for i in range(0, 8, 2)}
+    for step in range(2):
+        trained = [rank["trained"][step] for rank in ranks]
+        assert trained[0][0] == trained[1][0]  # the batch both processes trained (TRL gathers its prompts)
+        local = [set(trained[r][0][r * GROUP:(r + 1) * GROUP]) for r in range(2)]
+        assert all(len(texts) == 1 and not texts & uniform for texts in local), local
+        advantages = [rank["trained"][step][1] for rank in ranks]  # each its own group, of the same size
+        assert all(len(a) == GROUP and any(abs(x) > 1e-3 for x in a) for a in advantages) and advantages[0] != advantages[1]
+    assert [rank["scored"] for rank in ranks] == [[GROUP] * 2] * 2  # each process's reference: its kept group
+
+
 def test_resumed_run_trains_the_batch_the_uninterrupted_one_did(tiny_model, server, tmp_path):
     settings = dict(max_steps=3, dynamic_sampling=True, save_strategy="steps", save_steps=2)
     whole = train(tiny_model, server, tmp_path / "whole", prompts(uniform_every=2), **settings)
@@ -152,3 +188,14 @@ def test_config_refuses_what_filtering_cannot_do(tmp_path, settings, problem):
     with pytest.raises(ValueError, match=problem):
         RemoteGRPOConfig(**{**dict(output_dir=str(tmp_path), num_generations=GROUP, per_device_train_batch_size=ROWS,
                                    report_to=[], use_cpu=True), **settings})
+
+
+if __name__ == "__main__":  # a trainer process of test_two_trainer_processes_share_out_the_kept_groups
+    model, url, output_dir = sys.argv[1:4]
+    args = tiny_config(output_dir, per_device_train_batch_size=GROUP, num_generations=GROUP, generation_url=url,
+                       ref_model_url=f"{url}/ref", max_steps=2, dynamic_sampling=True)
+    ranked = RecordingTrainer(model=model, reward_funcs=spread_unless_uniform, args=args,
+                              train_dataset=prompts(uniform_every=2))
+    ranked.train()
+    with open(os.path.join(output_dir, f"rank-{ranked.accelerator.process_index}.json"), "w") as f:
+        json.dump({"trained": ranked.trained, "scored": ranked.scored}, f)

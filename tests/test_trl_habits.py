@@ -11,6 +11,7 @@ import trl
 from transformers import AutoTokenizer
 
 from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
 from tests.helpers import reward_len, tiny_config, tiny_dataset
 
@@ -101,6 +102,18 @@ def test_refused_sampling_setting_stops_at_start_up_as_a_refusal(tiny_model, ser
     message = str(stopped.value)
     assert "Training stopped at step 0" in message and "regex: not supported by the built-in server" in message
     assert "would be refused again" in message and OUTAGE_ADVICE not in message
+
+
+def test_the_start_up_probe_asks_every_replica_of_a_pool(server, shared_sglang):
+    """A pool of real SGLang, which takes `stop_regex`, and the built-in server, which refuses it: the built-in replica's
+    refusal is found whichever replica would have served first."""
+    for urls in ([shared_sglang.url, server.url], [server.url, shared_sglang.url]):
+        pool = ServerPool(urls)
+        try:
+            with pytest.raises(ServerRequestError, match=rf"{server.url}/generate rejected .*stop_regex: not supported"):
+                pool.check_sampling({"max_new_tokens": 4, "temperature": 1.0, "stop_regex": "x+"})
+        finally:
+            pool.close()
 
 
 PENALTY_PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30], [100, 101, 102, 103, 104, 105, 106]]

@@ -568,8 +568,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
         if isinstance(err, WeightDumpError):
             when = "once the dump can be written (see the first line)"
         elif isinstance(err, ServerRequestError):  # a refusal is no outage: the same request would be refused again
-            when = (f"once what the server refused (HTTP {err.status_code}, the first line) is fixed: sending the same "
-                    "request again would be refused again")
+            when = (f"once what the server refused (HTTP {err.status_code}, the first line) is fixed: the same request "
+                    "would be refused again")
         else:
             when = "once the server answers again (see its log)"
         if checkpoint is None:

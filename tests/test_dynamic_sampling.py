@@ -29,9 +29,11 @@ def prompts(uniform_every: int, n: int = 8) -> Dataset:
                                "uniform": i % uniform_every == 0} for i in range(n)])
 
 
-def spread_unless_uniform(completion_ids, uniform, **kwargs):
+def spread_unless_uniform(completion_ids, uniform, log_extra=None, **kwargs):
     """1.0 for every completion of a uniform prompt; else a number drawn from the completion's tokens (distinct
-    completions of 8 random tokens get distinct numbers)."""
+    completions of 8 random tokens get distinct numbers). Logs a column of the completions table (TRL's `log_extra`)."""
+    if log_extra is not None:
+        log_extra("uniform", list(uniform))
     return [1.0 if flat else zlib.crc32(repr(list(ids)).encode()) % 1000 / 1000
             for ids, flat in zip(completion_ids, uniform)]
 
@@ -101,6 +103,7 @@ def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_m
     assert sum(generated) > 6 and logged(trainer, "dynamic_sampling/informative_share") == [1.0, 1.0, 1.0]
     # the reference server scored each step's 8 trained sequences, none of the groups filtered out
     assert trainer.scored == [ROWS] * 3
+    assert list(trainer._logs["extra"]["uniform"]) == [False] * ROWS  # the reward's column: the trained rows' values
     # metrics.jsonl, the step line, status and plot show the groups
     step_line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step    3/3")][0]
     assert f"groups 2/{generated[-1]:g} kept in " in step_line
@@ -149,7 +152,8 @@ def test_two_trainer_processes_share_out_the_kept_groups(tiny_model, server, tmp
         local = [set(trained[r][0][r * GROUP:(r + 1) * GROUP]) for r in range(2)]
         assert all(len(texts) == 1 and not texts & uniform for texts in local), local
         advantages = [rank["trained"][step][1] for rank in ranks]  # each its own group, of the same size
-        assert all(len(a) == GROUP and any(abs(x) > 1e-3 for x in a) for a in advantages) and advantages[0] != advantages[1]
+        assert all(len(a) == GROUP and any(abs(x) > 1e-3 for x in a) for a in advantages)
+        assert advantages[0] != advantages[1]
     assert [rank["scored"] for rank in ranks] == [[GROUP] * 2] * 2  # each process's reference: its kept group
 
 

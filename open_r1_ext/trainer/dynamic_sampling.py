@@ -205,7 +205,8 @@ class DynamicSampling:
         self._sampled = ([row["prompt"] for row in rows], output)
         self._rewards = torch.cat([g.rewards for g in chosen]).to(trainer.accelerator.device)
         for column in {k for g in mine for k in g.extra_logs}:
-            trainer._pending_extra_logs[column].extend(v for g in mine for v in g.extra_logs.get(column, [None] * len(g.rows)))
+            trainer._pending_extra_logs[column].extend(value for g in mine
+                                                       for value in g.extra_logs.get(column, [None] * len(g.rows)))
         trainer.prefetch_reference(output[0], output[1], kept=True)
 
     def _warn_short(self, kept: int, needed: int, rounds: int) -> None:

@@ -1,0 +1,161 @@
+"""Benchmark dynamic sampling (`dynamic_sampling`, DAPO) against plain GRPO on a task where most groups teach nothing;
+prints a markdown table.
+
+The task: the tiny model (random weights, a vocabulary of 300) on the arithmetic prompts, rewarded 1.0 for a
+completion (16 tokens at most) that holds the token `2` (id 20) at least once, else 0.0: a sparse reward that the
+random policy earns in ~10-20% of its completions, so most of its groups of 4 are all-0 (no learning signal), and
+once it has learned the token most groups are all-1. Each run trains on one built-in server (deterministic sampling;
+each run's trainer loads its initial weights into it first), 16 completions (4 groups) per step, learning rate 0.02
+(`--learning-rate`), no reference (beta 0), with vs without dynamic sampling (its defaults), the same seeds for both;
+3 seeds, medians.
+
+Per run: the optimizer steps and the wall time until the policy's success rate (the mean reward of every completion
+generated for a step, filtered ones included, so both sides measure the same thing), averaged over the last 3 steps,
+reaches `THRESHOLD`; the generation time per step (`timing/generate`); the share of informative groups in the trained
+batches (with filtering `dynamic_sampling/informative_share`, without it 1 - TRL's `frac_reward_zero_std`); and the
+groups generated per group trained (1.0 without filtering). A run that does not reach the threshold within
+`MAX_STEPS` counts as `MAX_STEPS` (said in the table).
+
+Targets (issue 35): >= 1.5x fewer optimizer steps to the threshold, at <= 1.3x the generation time per step.
+
+    python tools/bench_dynamic_sampling.py [--quick] [--json FILE] [--learning-rate LR]
+
+`--quick` (under a minute on 2 CPU cores) runs one seed for 2 steps per side: it checks the harness only. `--json
+FILE` writes every figure under a stable key, e.g. `dynamic_sampling.steps_ratio`,
+`dynamic_sampling.filtered.generation_s_per_step`, `dynamic_sampling.plain.informative_share`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (arithmetic_prompts, header, machine_facts, markdown_table, model_dir,  # noqa: E402
+                          verdict, write_json)
+
+TARGET_TOKEN = 20  # "2" in the tiny model's vocabulary
+THRESHOLD = 0.8  # the policy's success rate (3-step mean) that ends a run
+WINDOW = 3
+MAX_STEPS = 40
+LEARNING_RATE = 0.02
+SEEDS = (0, 1, 2)
+STEPS_TARGET, GENERATION_TARGET = 1.5, 1.3
+
+
+def holds_target(completion_ids, **kwargs) -> list[float]:
+    """1.0 for a completion that holds the target token, else 0.0."""
+    return [1.0 if TARGET_TOKEN in ids else 0.0 for ids in completion_ids]
+
+
+def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps: int, learning_rate: float) -> dict:
+    """One training run generating on the server at `url` (its trainer gives it the initial weights first: the
+    server reports another run's); what the table reports for it."""
+    from transformers import TrainerCallback
+
+    from open_r1_ext import RemoteGRPOConfig, RemoteGRPOTrainer
+
+    success: dict[int, list[float]] = defaultdict(list)  # step -> the reward of every completion generated for it
+
+    def holds_target_recorded(completion_ids, trainer_state, **kwargs) -> list[float]:
+        rewards = holds_target(completion_ids)
+        success[trainer_state.global_step + 1].extend(rewards)
+        return rewards
+
+    holds_target_recorded.__name__ = "holds_target"
+    reached: dict[str, float] = {}
+
+    class StopAtThreshold(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            reached["start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            rates = [statistics.fmean(success[s]) for s in range(max(1, state.global_step - WINDOW + 1),
+                                                                  state.global_step + 1)]
+            if len(rates) == WINDOW and statistics.fmean(rates) >= THRESHOLD:
+                reached.update(step=state.global_step, wall_s=time.perf_counter() - reached["start"])
+                control.should_training_stop = True
+
+    args = RemoteGRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=16, num_generations=4, max_completion_length=16,
+        max_steps=max_steps, learning_rate=learning_rate, beta=0.0, temperature=1.0, logging_steps=1, seed=seed,
+        report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, generation_url=url,
+        dynamic_sampling=filtering)
+    trainer = RemoteGRPOTrainer(model=str(model), reward_funcs=holds_target_recorded, args=args,
+                                train_dataset=arithmetic_prompts(64), callbacks=[StopAtThreshold()])
+    trainer.train()
+    wall_s = time.perf_counter() - reached["start"]
+    steps = [h for h in trainer.state.log_history if "step_wall_time" in h]
+    if filtering:
+        share = statistics.fmean(h["dynamic_sampling/informative_share"] for h in steps)
+        cost = (sum(h["dynamic_sampling/groups_generated"] for h in steps)
+                / max(1.0, sum(h["dynamic_sampling/groups_kept"] for h in steps)))
+    else:
+        share, cost = statistics.fmean(1.0 - h["frac_reward_zero_std"] for h in steps), 1.0
+    return {"steps": reached.get("step", max_steps), "reached": "step" in reached,
+            "wall_s": reached.get("wall_s", wall_s),
+            "generation_s_per_step": statistics.fmean(h["timing/generate"] for h in steps),
+            "informative_share": share, "groups_generated_per_kept": cost}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, 2 steps per side: checks the harness only")
+    parser.add_argument("--json", type=Path, help="write every figure to this file")
+    parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="of both sides' runs")
+    options = parser.parse_args()
+    seeds, max_steps = (SEEDS[:1], 2) if options.quick else (SEEDS, MAX_STEPS)
+    facts = machine_facts(options.quick)
+    results: dict[str, list[dict]] = {"plain": [], "filtered": []}
+    from open_r1_ext.launch.local_server import BuiltinServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = model_dir(Path(tmp), "tiny")
+        with BuiltinServer(str(model), deterministic=True, extra_args=("--no-ref-slot",)) as server:
+            for seed in seeds:
+                for side, filtering in (("plain", False), ("filtered", True)):  # same seed, side by side
+                    results[side].append(run(model, server.url, Path(tmp) / f"{side}-{seed}", seed, filtering,
+                                             max_steps, options.learning_rate))
+    figures = dict(facts)
+    for side, runs in results.items():
+        for key in ("steps", "wall_s", "generation_s_per_step", "informative_share", "groups_generated_per_kept"):
+            figures[f"dynamic_sampling.{side}.{key}"] = statistics.median(r[key] for r in runs)
+        figures[f"dynamic_sampling.{side}.reached"] = sum(r["reached"] for r in runs)
+    plain, filtered = (f"dynamic_sampling.{side}." for side in ("plain", "filtered"))
+    figures["dynamic_sampling.steps_ratio"] = figures[plain + "steps"] / figures[filtered + "steps"]
+    figures["dynamic_sampling.wall_ratio"] = figures[plain + "wall_s"] / figures[filtered + "wall_s"]
+    figures["dynamic_sampling.generation_ratio"] = (figures[filtered + "generation_s_per_step"]
+                                                    / figures[plain + "generation_s_per_step"])
+    figures.update({"dynamic_sampling.seeds": len(seeds), "dynamic_sampling.max_steps": max_steps,
+                    "dynamic_sampling.threshold": THRESHOLD, "dynamic_sampling.learning_rate": options.learning_rate})
+    print(header(facts))
+    print(f"seeds {list(seeds)}, medians; learning rate {options.learning_rate}; threshold: success rate >= "
+          f"{THRESHOLD} over {WINDOW} steps, at most "
+          f"{max_steps} steps (runs that reached it: plain {figures[plain + 'reached']}/{len(seeds)}, filtered "
+          f"{figures[filtered + 'reached']}/{len(seeds)})")
+    rows = [(label, f"{figures[plain + key]:{fmt}}", f"{figures[filtered + key]:{fmt}}")
+            for label, key, fmt in (("optimizer steps to the threshold", "steps", "g"),
+                                    ("wall time to the threshold (s)", "wall_s", ".1f"),
+                                    ("generation time per step (s)", "generation_s_per_step", ".3f"),
+                                    ("informative groups per trained batch", "informative_share", ".0%"),
+                                    ("groups generated per group trained", "groups_generated_per_kept", ".2f"))]
+    print(markdown_table(("measurement", "plain GRPO", "dynamic sampling"), rows))
+    print(markdown_table(("measurement", "value", "target", "met"), [
+        ("steps, plain / filtered", f"{figures['dynamic_sampling.steps_ratio']:.2f}", f">= {STEPS_TARGET}",
+         verdict(figures["dynamic_sampling.steps_ratio"] >= STEPS_TARGET)),
+        ("generation time per step, filtered / plain", f"{figures['dynamic_sampling.generation_ratio']:.2f}",
+         f"<= {GENERATION_TARGET}", verdict(figures["dynamic_sampling.generation_ratio"] <= GENERATION_TARGET)),
+        ("wall time to the threshold, plain / filtered", f"{figures['dynamic_sampling.wall_ratio']:.2f}", "-", "-"),
+    ]))
+    if options.json:
+        write_json(options.json, figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,10 +14,12 @@ from datasets import Dataset
 
 from open_r1_ext import RemoteGRPOTrainer
 from open_r1_ext.config.grpo_config import RemoteGRPOConfig
+from open_r1_ext.config.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.run_plot import SAMPLING_PANEL, plot_run
 from open_r1_ext.launch.run_status import format_status, run_status
 from open_r1_ext.train import MetricsLog, StepPrinter
 from tests.helpers import REPO, restore_default_weights, tiny_config
+from tests.slurm_helpers import RECIPE
 
 GROUP = 4  # num_generations
 ROWS = 8  # per_device_train_batch_size: two groups per step
@@ -192,6 +194,13 @@ def test_config_refuses_what_filtering_cannot_do(tmp_path, settings, problem):
     with pytest.raises(ValueError, match=problem):
         RemoteGRPOConfig(**{**dict(output_dir=str(tmp_path), num_generations=GROUP, per_device_train_batch_size=ROWS,
                                    report_to=[], use_cpu=True), **settings})
+
+
+def test_recipe_names_a_reward_that_is_not_there():
+    load_recipe(REPO / RECIPE, ["trainer.dynamic_sampling=true", "trainer.dynamic_sampling_reward=target_token"])
+    with pytest.raises(RecipeError, match=r"trainer.dynamic_sampling_reward: 'nope' is none of the rewards "
+                                          r"\(target_token, accuracy\)"):
+        load_recipe(REPO / RECIPE, ["trainer.dynamic_sampling=true", "trainer.dynamic_sampling_reward=nope"])
 
 
 if __name__ == "__main__":  # a trainer process of test_two_trainer_processes_share_out_the_kept_groups

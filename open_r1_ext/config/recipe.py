@@ -646,9 +646,11 @@ REWARD_REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  
 
 
 def _check_rewards(recipe: Recipe, problems: list) -> None:
-    """Each reward is a built-in or a `package.module:function` that imports (whatever the module raises)."""
+    """Each reward is a built-in or a `package.module:function` that imports (whatever the module raises); the
+    reward `trainer.dynamic_sampling_reward` names is one of them (by its function's name, as TRL logs it)."""
     from open_r1_ext.rewards import BUILTIN, resolve_reward
 
+    names = []
     for i, reward in enumerate(recipe.rewards):
         key = f"rewards[{i}].name"
         if ":" in reward.name and not REWARD_REFERENCE.match(reward.name):
@@ -656,12 +658,17 @@ def _check_rewards(recipe: Recipe, problems: list) -> None:
                                   f"my_rewards.math:exact_match) nor a built-in ({', '.join(BUILTIN)})"))
             continue
         try:
-            resolve_reward(reward.name)
+            names.append(resolve_reward(reward.name).__name__)
         except ValueError as err:
             problems.append((key, str(err)))
         except Exception as err:  # noqa: BLE001 - the user's module failed while importing
             problems.append((key, f"importing {reward.name.partition(':')[0]} failed: {type(err).__name__}: {err}; "
                                   "fix the module (run: python -c 'import MODULE')"))
+    decisive = recipe.setting("dynamic_sampling_reward")
+    if decisive is not None and len(names) == len(recipe.rewards) and decisive not in names:
+        problems.append(("trainer.dynamic_sampling_reward",
+                         f"{decisive!r} is none of the rewards ({', '.join(names)}): name one of them, or remove it "
+                         "for the weighted sum of the rewards"))
 
 
 def _check_lora(recipe: Recipe, problems: list) -> None:

@@ -196,6 +196,19 @@ def test_config_refuses_what_filtering_cannot_do(tmp_path, settings, problem):
                                    report_to=[], use_cpu=True), **settings})
 
 
+def test_trainer_refuses_an_unknown_reward_and_an_iterable_dataset(tiny_model, server, tmp_path):
+    def build(dataset, **settings):
+        args = tiny_config(tmp_path, per_device_train_batch_size=ROWS, num_generations=GROUP, generation_url=server.url,
+                           dynamic_sampling=True, **settings)
+        RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=spread_unless_uniform, args=args, train_dataset=dataset)
+
+    with pytest.raises(ValueError, match="dynamic_sampling_reward='nope' names no reward function of this run: choose "
+                                         "one of spread_unless_uniform"):
+        build(prompts(uniform_every=2), dynamic_sampling_reward="nope")
+    with pytest.raises(ValueError, match="dynamic_sampling=True needs a map-style training set"):
+        build(prompts(uniform_every=2).to_iterable_dataset())
+
+
 def test_recipe_names_a_reward_that_is_not_there():
     load_recipe(REPO / RECIPE, ["trainer.dynamic_sampling=true", "trainer.dynamic_sampling_reward=target_token"])
     with pytest.raises(RecipeError, match=r"trainer.dynamic_sampling_reward: 'nope' is none of the rewards "

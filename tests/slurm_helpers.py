@@ -17,6 +17,7 @@ from tests.helpers import REPO
 
 RECIPE = "recipes/tiny/grpo.yaml"
 JOB_WAIT_S = 240  # bound of every wait for a run's jobs to finish
+NOT_ENDED = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")  # a job in one of these may still run
 
 
 @dataclass
@@ -97,14 +98,15 @@ def sglang_on_cpu(python: str, **settings) -> str:
             f"resources: {{gpus_per_node: 0, cpus_per_task: 1}}{extra}}}")
 
 
-def job_processes(job_id: str) -> list[str]:
-    """Command lines of the processes still alive that run for SLURM job `job_id` (its environment says so): a server
-    job's srun step, SGLang's launcher, scheduler and detokenizer."""
-    found, marker = [], f"SLURM_JOB_ID={job_id}\0".encode()
+def job_processes(job_id: str) -> dict[int, str]:
+    """`{pid: command line}` of the processes still alive that run for SLURM job `job_id` (its environment says so):
+    a server job's srun step, the node's task, SGLang's launcher, scheduler and detokenizer."""
+    found, marker = {}, f"SLURM_JOB_ID={job_id}\0".encode()
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
             if marker in environ.read_bytes() and (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append((environ.parent / "cmdline").read_bytes().decode(errors="replace").replace("\0", " "))
+                command = (environ.parent / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+                found[int(environ.parent.name)] = command
         except OSError:
             continue
     return found

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.slurm_helpers import REPO, job_processes, run_script, slurm_state, wait_until
+from tests.slurm_helpers import NOT_ENDED, REPO, job_processes, run_script, slurm_state, wait_until
 
 RECIPES = sorted(str(path.relative_to(REPO)) for path in (REPO / "recipes").rglob("*.yaml")
                  if "accelerate_configs" not in path.parts)
@@ -27,8 +27,10 @@ RUN_WAIT_S = 600  # bound of the wait for a run to end, next to another on 2 cor
 RESOURCES_LINE = re.compile(r"\] (server|ref-server|trainer) on (\S+): "  # jobs.log_resources, one per task
                             r"resources: CUDA_VISIBLE_DEVICES=(\S+) cpus=(\d+)")
 SGLANG_VENV_PYTHON = ".venv-sglang/bin/python"  # where the README's install puts SGLang (`make sglang-venv`)
-NOT_ENDED = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")  # a job in one of these may still run
-pytestmark = pytest.mark.xdist_group("rehearsal")  # a worker of its own beside the other SLURM tests (conftest.py)
+REHEARSAL_TIMEOUT_S = 3 * RUN_WAIT_S  # pytest-timeout's bound of the first test, whose fixture runs every recipe:
+# its own waits are bounded (RUN_WAIT_S a run), and it took 510 s on a fresh clone, 600 s being pytest-timeout's default
+pytestmark = [pytest.mark.xdist_group("rehearsal"),  # a worker of its own beside the other SLURM tests (conftest.py)
+              pytest.mark.timeout(REHEARSAL_TIMEOUT_S)]
 
 
 def cpu_overrides(recipe: dict, run_dir: Path, tiny_model: Path, sglang_python: str) -> list[tuple[str, str]]:

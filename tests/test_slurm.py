@@ -15,12 +15,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from open_r1_ext.config.recipe import load_recipe
 from open_r1_ext.launch.jobs import JobContext, node_command, rendezvous_port
+from open_r1_ext.launch.local_server import SharedMemoryFiles
+from open_r1_ext.launch.run_key import write_run_key
 from open_r1_ext.launch.slurm_plan import SUBMITIT, PlanError, ShellVar, SlurmPlan, shell_join, time_minutes
-from tests.slurm_helpers import JOB_WAIT_S, RECIPE, REPO, assert_trained, run_script, slurm_state, wait_until
+from tests.slurm_helpers import (JOB_WAIT_S, NOT_ENDED, RECIPE, REPO, assert_trained, job_processes, run_script,
+                                 sglang_on_cpu, slurm_state, wait_until)
 
 
 # --------------------------------------------------------------------------------- plan (no SLURM)
@@ -285,3 +289,37 @@ def test_scancel_of_the_trainer_saves_a_checkpoint_and_cancels_the_servers(slurm
     # the trainer job cancels its servers, or (SIGKILLed after the cluster's KillWait, 5 s here) their watchdog stops them
     assert (f"cancelled server job(s) {server}" in status
             or f"server job {server}: trainer job {trainer} is gone (CANCELLED); stopping the server" in status)
+
+
+def test_a_sglang_server_killed_under_sbatch_leaves_no_shared_memory_file(slurm_cluster, tiny_run, sglang_python,
+                                                                          tmp_path):
+    """`sbatch slurm/serve.slurm` with real SGLang on the CPU; SIGKILL to every process of the server (its launcher,
+    scheduler, detokenizer and their resource tracker), as the OOM killer would: SGLang's own unlinks never run. The
+    node's task under srun (`jobs.run_node_server`) removes what they left in /dev/shm, and the job fails."""
+    tiny_run.overrides[:0] = [f"servers.generation={sglang_on_cpu(sglang_python)}", "servers.reference=local"]
+    write_run_key(load_recipe(REPO / RECIPE, tiny_run.overrides), tiny_run.run_dir)  # what grpo.slurm writes first
+    submitted = run_script("sbatch", "--parsable", f"--job-name={tiny_run.job_name}-server",
+                           f"--output={tmp_path}/server-%j.out", "slurm/serve.slurm", RECIPE, *tiny_run.set_args)
+    assert submitted.returncode == 0, submitted.stderr
+    job, addresses = submitted.stdout.strip(), tiny_run.run_dir / "replicas" / "server"
+    wait_until(lambda: list(addresses.glob("*.addr")) or slurm_state(job) not in NOT_ENDED, JOB_WAIT_S,
+               "the SGLang server job to answer /health")
+    assert list(addresses.glob("*.addr")), next(tmp_path.glob("server-*.out")).read_text()[-3000:]
+    task = next(pid for pid, command in job_processes(job).items()  # the node's task, not srun's line that runs it
+                if "-m open_r1_ext.launch.jobs node " in command and Path(command.split()[0]).name != "srun")
+    server = psutil.Process(task).children(recursive=True)
+    held = SharedMemoryFiles()
+    held.note(task)
+    assert sorted(Path(path).name[:7] for path in held.files) == ["sem.mp-", "sglang_"], held.files
+    log = next(tmp_path.glob("server-*.out"))
+
+    def noted() -> bool:  # the node's task says what it noted: it looks every jobs.NOTE_SHARED_MEMORY_S
+        said = re.findall(r"in /dev/shm, removed once it is gone: (.*)", log.read_text())
+        return bool(said) and set(held.files) <= set(said[-1].split())
+
+    wait_until(noted, 60, "the node's task to note the server's files")
+    for process in server:
+        process.kill()
+    wait_until(lambda: slurm_state(job) not in NOT_ENDED, JOB_WAIT_S, "the server job to end")
+    assert slurm_state(job) == "FAILED"
+    assert not [path for path in held.files if os.path.exists(path)], log.read_text()[-3000:]

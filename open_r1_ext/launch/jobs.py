@@ -40,6 +40,7 @@ SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"  # serve.slurm and tra
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
                  "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "UNKNOWN"}
 SIGTERM_EXIT = 128 + signal.SIGTERM  # how a job stopped by scancel, a time limit or Ctrl-C exits
+NOTE_SHARED_MEMORY_S = 5.0  # how often a node's server task notes the /dev/shm files of its server's processes
 # how long a stopped job waits for its trainer to save the checkpoint of the step in flight (SLURM's KillWait, 30 s by
 # default, may end it sooner with SIGKILL); a server gets the short default
 TRAINER_STOP_GRACE_S = 120.0
@@ -403,6 +404,30 @@ def start_on_nodes(plan: SlurmPlan, role: str, ctx: JobContext, index: int = 0,
     return _spawn(node_command(plan, role, ctx, index, port))
 
 
+def run_node_server(cmd: list[str]) -> int:
+    """One node's server under sbatch's srun, as a child of this task: once it is gone, killed or not, the files it
+    left in this node's /dev/shm are removed (`SharedMemoryFiles`, noted every `NOTE_SHARED_MEMORY_S` while it runs,
+    as SGLang makes some after its start); SIGTERM (scancel, the job's end) stops it. Its exit status."""
+    stop_on_signals()
+    process, shared_memory, said = _spawn(cmd), SharedMemoryFiles(), set()
+    try:
+        while True:
+            shared_memory.note(process.pid)
+            if said != shared_memory.files.keys():
+                said = set(shared_memory.files)
+                log(f"the server's files in /dev/shm, removed once it is gone: {' '.join(sorted(said))}")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = process.wait(timeout=NOTE_SHARED_MEMORY_S)
+                return code if code >= 0 else 128 - code  # killed by a signal: as a shell says it
+    except KeyboardInterrupt:
+        return SIGTERM_EXIT
+    finally:
+        _stop(process)
+        removed = shared_memory.remove()
+        if removed:
+            log(f"removed what the server left in /dev/shm: {' '.join(removed)}")
+
+
 def _spawn(cmd: list[str]) -> subprocess.Popen:
     """A child that is sent SIGTERM if this job process dies, even by SIGKILL: nothing outlives its job."""
     log("+ " + " ".join(cmd))
@@ -489,7 +514,7 @@ def _serve(plan: SlurmPlan, role: str, ctx: JobContext, index: int, port: int, m
         process = start_on_nodes(plan, role, ctx, index, port)
         if lead:
             _advertise_when_healthy(plan, process, address, addr_file, me, echo)
-            shared_memory.note(process.pid)  # the server's own processes (under submitit; under sbatch, srun's)
+            shared_memory.note(process.pid)  # the server's own processes under submitit (under sbatch: srun's task)
             if _serve_until_trainer_gone(plan, process, me, echo):
                 return 0
         process.wait()
@@ -752,7 +777,9 @@ def main(cli_args: Optional[list[str]] = None) -> int:
             return run_trainer_job(plan, ctx)
         cmd = node_command(plan, args.role, ctx, args.resources_index, args.port)
         log_resources(args.role)
-        os.execvp(cmd[0], cmd)  # this node's server or trainer replaces the entry: srun signals it directly
+        if args.role == TRAINER:
+            os.execvp(cmd[0], cmd)  # this node's trainer replaces the entry: srun signals it directly
+        return run_node_server(cmd)
     except RecipeError as err:
         log(f"{err}\nnothing started")
         return 2

@@ -260,7 +260,10 @@ def test_a_run_stopped_mid_way_resumes_without_losing_or_doubling_a_group(any_se
     assert state["global_step"] == 5 and state["trained"] == 5  # the data loader resumes after 5 generation batches
     redraw = {(b, i) for b, i, _ in state["redraw"]}
     skip = {tuple(p) for p in state["skip"]}
-    assert redraw == {(b, 0) for b in range(5)} and skip and all(b >= 5 for b, _ in skip), state
+    # the held groups are among those to draw again; which others were still on their way at the checkpoint depends
+    # on the order the server finished them in (a busy machine once left a short group of batch 1 unfinished)
+    assert {(b, 0) for b in range(5)} <= redraw and all(b < 5 for b, _ in redraw), state
+    assert skip and all(b >= 5 for b, _ in skip), state
     trained_before = {(b, i) for _, b, i in trained_positions(before)}
     assert skip <= trained_before and not redraw & trained_before
 

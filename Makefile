@@ -36,11 +36,12 @@ demo: venv tiny-model
 	@echo "run directory: runs/demo  (look at it: .venv/bin/open-r1-ext status runs/demo)"
 	@echo "plot:          runs/demo/plot.png"
 
-# Four pytest-xdist workers on 2 cores (the tests wait on servers and jobs much of the time): the rehearsal of the
-# shipped recipes on one, the other SLURM tests on another (two groups, tests/conftest.py, started first), the other
-# modules beside them. The tests against real SGLang run its server with $(SGLANG_VENV)'s interpreter (tests/conftest.py).
+# Three pytest-xdist workers on 2 cores (the tests wait on servers and jobs much of the time; four were slower): the
+# rehearsal of the shipped recipes on one, the other SLURM tests on another (two groups, tests/conftest.py, started
+# first), the other modules beside and after them. The tests against real SGLang run its server with
+# $(SGLANG_VENV)'s interpreter (tests/conftest.py).
 test: venv tiny-model sglang-venv
-	$(PY) -m pytest -q -n 4 --dist loadgroup tests
+	$(PY) -m pytest -q -n 3 --dist loadgroup tests
 
 clean:
 	rm -rf runs

@@ -149,10 +149,10 @@ CLUSTER_GROUPS = ("slurm", "rehearsal")  # the tests on the local SLURM cluster:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """How `make test` (`pytest -n 4 --dist loadgroup`) spreads the tests over its pytest-xdist workers: the
+    """How `make test` (`pytest -n 3 --dist loadgroup`) spreads the tests over its pytest-xdist workers: the
     rehearsal of the shipped recipes (tests/test_rehearsal.py, its own group) on one worker, the other tests on the
     local SLURM cluster one after the other on another (each checks the jobs of its own run), every other module's
-    tests together (its module fixtures, servers mostly, start once). It runs before xdist's hook, which writes the
+    tests together (its module fixtures, servers mostly, start once), beside and after them. It runs before xdist's hook, which writes the
     groups into the test ids (`tests/test_layout.py` checks that they are there)."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
@@ -162,8 +162,8 @@ def pytest_collection_modifyitems(items):
 
 class ClusterGroupsFirst(LoadGroupScheduling):
     """xdist's `loadgroup`, with `CLUSTER_GROUPS` handed out first: each runs its tests one at a time for ~10 minutes,
-    most of it waiting on jobs, and starting them last (xdist orders groups by their number of tests) made them the
-    tail of the suite (`make test`: 23 minutes, then under 20)."""
+    most of it waiting on jobs, and xdist (which orders groups by their number of tests) started the SLURM tests a few
+    minutes in, the tail of the suite (a fresh clone's `make test`: 23 minutes, the SLURM worker busy to the end)."""
 
     def _assign_work_unit(self, node) -> None:
         for group in reversed(CLUSTER_GROUPS):

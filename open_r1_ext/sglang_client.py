@@ -75,9 +75,9 @@ SGLANG_SAMPLING_PARAMS = (
     "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
     "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "watermark",
 )
-# vLLM's and transformers' (`generate()`, TRL's local generation) names of settings SGLang has under another name.
-VLLM_TWINS = {"min_tokens": "min_new_tokens"}
-TRANSFORMERS_TWINS = {"stop_strings": "stop", "eos_token_id": "stop_token_ids"}
+# vLLM's (`min_tokens`) and transformers' (`generate()`, TRL's local generation) names of settings SGLang has under
+# another name.
+SAMPLING_TWINS = {"min_tokens": "min_new_tokens", "stop_strings": "stop", "eos_token_id": "stop_token_ids"}
 # transformers `generate()` settings that change nothing on a server, with the values that do so (None: any value).
 HARMLESS_GENERATE_KWARGS = {"do_sample": (True,), "pad_token_id": None, "bos_token_id": None, "use_cache": None,
                             "cache_implementation": None, "disable_compile": None}
@@ -569,7 +569,7 @@ def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs", ma
         if key in TRANSFORMERS_NEAREST:
             raise ValueError(f"{where}.{key}={value!r}: a transformers generate() setting SGLang has no equivalent "
                              f"for; nearest SGLang setting: {TRANSFORMERS_NEAREST[key]}")
-        name = VLLM_TWINS.get(key) or TRANSFORMERS_TWINS.get(key, key)
+        name = SAMPLING_TWINS.get(key, key)
         if name == "stop_token_ids" and isinstance(value, int):
             value = [value]
         if name in TRAINER_SET:
@@ -577,7 +577,7 @@ def sampling_kwargs(kwargs: Optional[dict], where: str = "generation_kwargs", ma
         if name not in SGLANG_SAMPLING_PARAMS:
             raise ValueError(f"{where}.{key}: not a sampling parameter of SGLang; valid names: "
                              f"{', '.join(k for k in SGLANG_SAMPLING_PARAMS if k not in TRAINER_SET)} "
-                             f"(vLLM's and transformers' {', '.join(f'{a} is {b}' for a, b in (VLLM_TWINS | TRANSFORMERS_TWINS).items())})")
+                             f"(vLLM's and transformers' {', '.join(f'{a} is {b}' for a, b in SAMPLING_TWINS.items())})")
         if name in out:
             raise ValueError(f"{where}: {given[name]} and {key} are the same setting; give one")
         out[name], given[name] = value, key

@@ -739,7 +739,7 @@ def _check_sampling_ranges(recipe: Recipe, problems: list) -> None:
     """`repetition_penalty` and the `generation_kwargs` (SGLang `sampling_params`) in the ranges SGLang 0.5.23 takes
     (`protocol.sampling_range_problems`: e.g. `top_k: 0` in generation_kwargs, which SGLang refuses); the Python
     API (`RemoteGRPOConfig`) checks the same."""
-    from open_r1_ext.sglang_client import VLLM_TWINS
+    from open_r1_ext.sglang_client import SAMPLING_TWINS
 
     flagged = {key for key, _ in problems}
     penalty = recipe.setting("repetition_penalty")
@@ -749,7 +749,7 @@ def _check_sampling_ranges(recipe: Recipe, problems: list) -> None:
                                                 f"request with HTTP 400 otherwise), got {penalty!r}"))
     kwargs = recipe.setting("generation_kwargs")
     if isinstance(kwargs, dict):
-        given = {VLLM_TWINS.get(key, key): (key, value) for key, value in kwargs.items()}
+        given = {SAMPLING_TWINS.get(key, key): (key, value) for key, value in kwargs.items()}
         for name, must in sampling_range_problems({name: value for name, (_, value) in given.items()},
                                                   recipe.setting("max_completion_length")):
             key, value = given[name]

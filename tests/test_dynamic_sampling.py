@@ -1,7 +1,8 @@
 """Dynamic sampling (DAPO, `dynamic_sampling`) against real servers: every trained group's rewards spread, each batch
 is full, the remote reference scores the kept groups only, a batch whose groups are all uniform stops after
 `dynamic_sampling_max_rounds`. The reward makes half the prompts' groups uniform by construction (a dataset column),
-so no assertion rests on sampling luck."""
+and a step's rounds draw each prompt once before any twice, the batch's own last (so the default 4 rounds always find
+the 2 informative groups a batch of 8 prompts needs): no assertion rests on sampling luck."""
 
 import json
 import os
@@ -41,12 +42,14 @@ def spread_unless_uniform(completion_ids, uniform, log_extra=None, **kwargs):
 
 
 class RecordingTrainer(RemoteGRPOTrainer):
-    """Records what TRL trained in each generation batch (its own `_logs`: the batch's prompts and advantages) and the
-    sequences the reference server scored."""
+    """Records what TRL trained in each generation batch (its own `_logs`: the batch's prompts and advantages), the
+    prompts each training step generated for (one per group, every round), and the sequences the reference server
+    scored."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.trained: list[tuple[list[str], list[float]]] = []
+        self.generated: dict[int, list[str]] = {}
         self.scored: list[int] = []
         client, ref_logprobs = self.ref_client, self.ref_client.ref_logprobs
 
@@ -55,6 +58,12 @@ class RecordingTrainer(RemoteGRPOTrainer):
             return ref_logprobs(sequences, *pargs, **kw)
 
         client.ref_logprobs = counted
+
+    def _generate(self, prompts):
+        if self.model.training and self.dynamic_sampling._sampled is None:  # a round's (not TRL's for the kept batch)
+            self.generated.setdefault(self.state.global_step, []).extend(
+                p[-1]["content"] for p in prompts[::self.num_generations])
+        return super()._generate(prompts)
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -103,6 +112,9 @@ def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_m
     assert logged(trainer, "dynamic_sampling/groups_kept") == [2.0, 2.0, 2.0]
     generated = logged(trainer, "dynamic_sampling/groups_generated")
     assert sum(generated) > 6 and logged(trainer, "dynamic_sampling/informative_share") == [1.0, 1.0, 1.0]
+    # a step's rounds draw each of the 8 prompts once before any twice: a filtered group's prompt is not drawn again
+    for step, texts in trainer.generated.items():
+        assert len(set(texts)) == min(len(texts), 8), (step, texts)
     # the reference server scored each step's 8 trained sequences, none of the groups filtered out
     assert trainer.scored == [ROWS] * 3
     assert list(trainer._logs["extra"]["uniform"]) == [False] * ROWS  # the reward's column: the trained rows' values

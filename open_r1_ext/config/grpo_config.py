@@ -167,13 +167,15 @@ class RemoteGRPOConfig(GRPOConfig):
             trainer process keeps up to `max_prompts_in_flight` prompts on the generation servers, one request per
             prompt (its group of `num_generations` completions), and a step trains on the next groups to complete,
             in the order they complete, not on the batch it read. A weight sync pauses every server
-            (`/pause_generation` mode `retract`), reloads and continues (`/continue_generation`): the completions
+            (`/pause_generation` mode `retract`), gives it the new weights (it reloads the dump, or with
+            `transport='distributed'` receives the broadcast) and continues (`/continue_generation`): the completions
             under way go on with the new weights, their KV cache recomputed, so one completion may span several
             weight versions, each token's sampling log-prob the one it was drawn with (TRL's truncated importance
             sampling corrects per token). A completion's staleness counts from its oldest token: the step it trains
             at minus the version of the weights that token was drawn with; a group's is its completions' largest.
-            A group whose staleness would exceed `max_weight_staleness` when a step takes it is dropped, never
-            trained on, and its prompt sent again (logged in `rollouts.jsonl`, counted in `inflight/dropped_groups`);
+            A group whose staleness would exceed `max_weight_staleness` when a step takes it (or with tokens from a
+            broadcast that stopped half-way, `<N>-partial`) is dropped, never trained on, and its prompt sent again
+            (logged in `rollouts.jsonl`, counted in `inflight/dropped_groups`);
             set `max_weight_staleness` to at least the steps your longest completions take, or they are dropped
             over and over (biasing training towards short completions). Before a step takes groups, the main process
             waits for the reload that makes them possible (`timing/reload_wait`). The groups read but not trained
@@ -194,8 +196,9 @@ class RemoteGRPOConfig(GRPOConfig):
             `dynamic_sampling_min_std`) has zero advantage, so it is dropped after its rewards are computed, and more
             prompts are sampled until the generation batch is full of informative groups, the same size as without
             filtering (DAPO's dynamic sampling). The prompts added are drawn at random from the training set, seeded
-            by (`seed`, step, process, round): a resumed run draws the same ones, and they do not advance the epoch;
-            a filtered prompt counts as seen in its epoch. The reference log-probs (and TRL's own log-probs) are
+            by (`seed`, step, process), each once in a step before any twice and the batch's own prompts last: a
+            resumed run draws the same ones, and they do not advance the epoch; a filtered prompt counts as seen in
+            its epoch. The reference log-probs (and TRL's own log-probs) are
             computed for the trained groups only. The decision is taken on every process's groups together, so each
             process trains a full batch of the same size. Needs each process's generation batch to hold whole
             groups, a map-style training set, and neither `tools` nor an `environment_factory`.
@@ -461,9 +464,6 @@ class RemoteGRPOConfig(GRPOConfig):
         if self.generation_backend != "sglang":
             raise ValueError("in_flight_updates=True needs generation_backend='sglang': it pauses and continues the "
                              "servers with SGLang's /pause_generation and /continue_generation")
-        if self.transport != "disk":
-            raise ValueError(f"in_flight_updates=True needs transport='disk' (got {self.transport!r}): its pause, reload, "
-                             "continue cycle reloads a dump; the network transport does not pause the servers yet")
         period = self.steps_per_generation * self.num_iterations
         if self.gradient_accumulation_steps % period:
             raise ValueError(

@@ -6,13 +6,14 @@ so its reference and policy log-probs are computed for them alone. Every process
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from accelerate.utils import gather_object
@@ -81,15 +82,16 @@ class DynamicSampling:
         local_groups = len(inputs) // size
         needed = local_groups * processes
         factor = min(self.max_oversampling, 1.0 / self.informative_share if self.informative_share > 0 else math.inf)
+        refills = self._refills(batch_prompts=[row["prompt"] for row in inputs[::size]])
         pool = self._sample(inputs)
         extra = math.ceil(local_groups * (factor - 1.0) - 1e-9)
         if extra > 0:
-            pool += self._sample(self._refill(extra, 0))
+            pool += self._sample(self._refill(refills, extra))
         rounds = 0
         while sum(g.informative for g in pool) < needed and rounds < self.max_rounds:
             rounds += 1
             missing = needed - sum(g.informative for g in pool)
-            pool += self._sample(self._refill(math.ceil(missing * factor / processes), rounds))
+            pool += self._sample(self._refill(refills, math.ceil(missing * factor / processes)))
         informative = [g for g in pool if g.informative]
         kept = informative[:needed]
         chosen = kept + [g for g in pool if not g.informative][:needed - len(kept)]
@@ -176,16 +178,32 @@ class DynamicSampling:
         std = nanstd(decisive.view(-1, size), dim=1)
         return (std > self.min_std) & ~torch.isclose(std, torch.zeros_like(std))
 
-    def _refill(self, groups: int, round_: int) -> list[dict]:
-        """`groups` prompts drawn from the training set (each `num_generations` times), seeded by (seed, step, process,
-        round): a resumed step draws the same ones."""
+    def _refills(self, batch_prompts: list) -> Iterator[dict]:
+        """The training set's rows that may refill this generation batch, in a random order seeded by (seed, step,
+        process), so that a resumed step draws the same ones: each prompt once before any twice, the `batch_prompts`
+        (the data loader's, already sampled) after the others in each pass. A round never draws again a prompt whose
+        group was just filtered while others are left."""
         trainer = self.trainer
         dataset = trainer.train_dataset
         rng = random.Random(f"{trainer.args.seed}/{trainer.state.global_step}/{trainer.accelerator.process_index}/"
-                            f"{round_}/dynamic-sampling")
-        indices = rng.sample(range(len(dataset)), groups) if groups <= len(dataset) else rng.choices(
-            range(len(dataset)), k=groups)
-        return [dict(dataset[i]) for i in indices for _ in range(trainer.num_generations)]
+                            "dynamic-sampling")
+        while True:
+            drawn, later = set(), []
+            while len(drawn) < len(dataset):  # a lazy shuffle: a step draws a few rows of a set of any size
+                index = rng.randrange(len(dataset))
+                if index in drawn:
+                    continue
+                drawn.add(index)
+                row = dict(dataset[index])
+                if row["prompt"] in batch_prompts:
+                    later.append(row)
+                else:
+                    yield row
+            yield from later
+
+    def _refill(self, refills: Iterator[dict], groups: int) -> list[dict]:
+        """The next `groups` prompts of `refills`, each `num_generations` times (TRL's layout)."""
+        return [row for row in itertools.islice(refills, groups) for _ in range(self.trainer.num_generations)]
 
     # ------------------------------------------------------------------ hand-over
     def _hand_to_trl(self, chosen: list[SampledGroup], mine: list[SampledGroup]) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from open_r1_ext import RemoteGRPOTrainer
+from open_r1_ext import RemoteGRPOTrainer, weight_broadcast
 from open_r1_ext.launch.run_status import staleness
 from open_r1_ext.protocol import sampling_params
 from open_r1_ext.sglang_client import SGLangClient
@@ -28,6 +28,7 @@ from tests.helpers import (arithmetic_prompts, engine_at, restore_default_weight
                            tiny_dataset)
 from tests.slurm_helpers import RECIPE, REPO
 from tests.test_async import low_ids
+from tests.weight_buckets import before_broadcast, stop_process
 
 
 def rollouts(output_dir) -> list[dict]:
@@ -218,6 +219,75 @@ def test_a_tiny_run_with_in_flight_updates_learns_on_real_sglang(shared_sglang, 
         restore_default_weights(shared_sglang.url, tiny_model)
 
 
+def test_in_flight_updates_over_the_network_pause_broadcast_and_continue(any_server, tiny_model, tmp_path):
+    """`transport: distributed`: each sync pauses the server (retract), broadcasts the weights and continues it, so the
+    long groups under way go on with the new weights (unpaused, SGLang and the built-in server would let them end
+    before the update: no group would span versions). 4 prompts in flight, 2 a step: steps 2 and 3 take long groups
+    (256 tokens, ~2 s; a step ~0.5 s) sent before the first sync. Nothing is dumped; the server ends on the last
+    step's weights."""
+    args = in_flight_config(tmp_path, any_server.url, max_steps=3, max_weight_staleness=2, max_completion_length=256,
+                            max_prompts_in_flight=4, transport="distributed", bucket_mb=0.05)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
+    shape_groups(trainer)
+    trainer.train()
+    log = rollouts(tmp_path)
+    trained = [e for e in log if not e.get("dropped")]
+    assert [e["step"] for e in trained] == [1, 1, 2, 2, 3, 3] and max(trained_positions(log).values()) == 1
+    assert all(e["staleness"] == e["step"] - 1 - min(e["versions"]) <= 2 for e in trained), trained
+    assert any(len(e["versions"]) > 1 for e in log), log  # generations under way went on across a broadcast
+    steps = [h for h in trainer.state.log_history if "inflight/versions_per_group" in h]
+    assert [h["remote/staleness"] for h in steps] == [max(e["staleness"] for e in trained if e["step"] == h["step"])
+                                                      for h in steps]
+    assert [h["inflight/versions_per_group"] for h in steps] == [
+        sum(len(e["versions"]) for e in trained if e["step"] == h["step"]) / 2 for h in steps]
+    assert all(h["timing/reload_wait"] > 0 and "background/paused" not in h for h in steps)
+    syncs = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["path"]) for e in syncs] == [(1, None), (2, None), (3, None)]
+    assert not (tmp_path / "weights").exists() and SGLangClient(any_server.url).weight_version() == "3"
+
+
+@pytest.mark.timeout(180)  # without the catch-up of a partial server, its groups are dropped and sent again forever
+def test_groups_sampled_after_a_broadcast_stopped_half_way_are_never_trained(server, tiny_model, tmp_path,
+                                                                             monkeypatch):
+    """The first sync's broadcaster stalls in bucket 2 (SIGSTOP, an injected fault) and is killed at its deadline: the
+    server, paused, took bucket 1 and reports `1-partial`; continued, the long groups under way finish on those mixed
+    weights. They are dropped (`partial`) and sent again, the server is sent whole weights at the next batch, and the
+    run goes on (the sync's failure is within `max_weight_staleness`)."""
+    monkeypatch.setattr(weight_broadcast, "DEADLINE_MARGIN_S", 1.0)
+    args = in_flight_config(tmp_path, server.url, max_steps=3, max_weight_staleness=2, max_completion_length=256,
+                            max_prompts_in_flight=4, transport="distributed", bucket_mb=0.05, distributed_timeout=3)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
+    shape_groups(trainer)
+    generation, partial, sampled_partly = trainer.remote_generation, threading.Event(), set()
+    sample = generation._sample
+
+    def watched(group, done):
+        sample(group, done)
+        if group.partial():
+            sampled_partly.add((group.epoch, group.batch, group.index, group.attempt + 1))
+            partial.set()
+
+    class AfterTheFailedSync(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # (after the sync, a callback before this one)
+            if state.global_step == 1:
+                assert partial.wait(timeout=120), "no group was sampled from the partial weights"
+
+    generation._sample = watched
+    trainer.add_callback(AfterTheFailedSync())
+    try:
+        with before_broadcast(2, stop_process):
+            trainer.train()
+        log = rollouts(tmp_path)
+        dropped = {(e["epoch"], *e["group"], e["sent"]) for e in log if e.get("partial")}
+        assert sampled_partly and sampled_partly == dropped and all(e["dropped"] for e in log if e.get("partial"))
+        trained = [e for e in log if not e.get("dropped")]
+        assert not {(e["epoch"], *e["group"], e["sent"]) for e in trained} & sampled_partly
+        assert [e["step"] for e in trained] == [1, 1, 2, 2, 3, 3] and max(trained_positions(log).values()) == 1
+        assert SGLangClient(server.url).weight_version() == "3"
+    finally:
+        restore_default_weights(server.url, tiny_model)
+
+
 class StopAt(TrainerCallback):
     """SIGTERM during optimizer step `step`: a checkpoint at its end, then `train()` returns (as `open-r1-ext train`
     stops on SIGTERM); `saved` is set once the checkpoint is written."""
@@ -334,7 +404,6 @@ def test_a_replica_killed_while_paused_loses_no_group(any_server, tiny_model, tm
 @pytest.mark.parametrize("overrides,message", [
     (dict(async_generation=False), "needs async_generation=True"),
     (dict(generation_backend="openai"), "needs generation_backend='sglang'"),
-    (dict(transport="distributed"), "needs transport='disk'"),
     (dict(num_iterations=2), "every optimizer step to train whole generation batches"),
     (dict(max_prompts_in_flight=1), "at least the prompts of one generation batch"),
 ])

@@ -201,7 +201,7 @@ class RemoteGeneration:
         policy (`_can_push_here`). The weights of the last sync go to those servers; if the policy changed since
         (`weight_sync_steps > 1`), every server gets the current one, a sync (only collectively, or in one process)."""
         target, trainer = self.target, self.trainer
-        if target is None or not target.distributed or target.step is None or self._catching_up:
+        if target is None or not target.distributed or target.version is None or self._catching_up:
             return
         plan, error = None, None
         if trainer.accelerator.is_main_process:
@@ -220,14 +220,19 @@ class RemoteGeneration:
         self._catching_up = True
         try:
             if plan == "whole":
-                failed = self.weight_sync.send(trainer.model, trainer.state.global_step, target, collective=collective)
+                failed = self._send(trainer.state.global_step, collective=collective)
             else:
                 logger.info("sending the weights of step %d to %s (they lost them)", target.step, ", ".join(plan))
-                failed = self.weight_sync.send(trainer.model, target.step, target, only=plan, collective=collective)
+                failed = self._send(target.step, only=plan, collective=collective)
         finally:
             self._catching_up = False
         if failed is not None:
             logger.warning("could not send the trainer's weights to servers that lost them: %s", failed)
+
+    def _send(self, step: int, only: Optional[list[str]] = None, collective: bool = True) -> Optional[str]:
+        """Broadcast the policy to the generation servers as weight version `step` (`WeightSync.send`, which says what
+        `only` and `collective` mean): None or the error."""
+        return self.weight_sync.send(self.trainer.model, step, self.target, only=only, collective=collective)
 
     def _servers_behind(self) -> list[str]:
         """Main process: the servers that answer without the trainer's weights (a pool's replica names, or the URL)."""
@@ -440,7 +445,7 @@ class AsyncRemoteGeneration(RemoteGeneration):
         if self.target.distributed:
             if references and (error := self.weight_sync.sync(self.trainer.model, step, references)) is not None:
                 raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
-            if (error := self.weight_sync.send(self.trainer.model, step, self.target)) is not None:
+            if (error := self._send(step)) is not None:
                 logger.warning("weight sync of step %d failed: %s", step, error)
             return
         path = self.weight_sync.dump(self.trainer.model, step)  # raises WeightDumpError on every rank

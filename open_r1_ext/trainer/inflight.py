@@ -2,15 +2,18 @@
 
 `InFlightGeneration` keeps up to `max_prompts_in_flight` prompts per trainer process read from the data and not yet
 trained, each prompt's group of `num_generations` completions one request to the generation servers, and hands TRL's
-training loop (`batches()`, read by `get_batch_samples`) the groups in the order they complete. A weight sync dumps the
-policy and, on the main process's update thread, pauses every server (`/pause_generation` mode `retract`), reloads and
-continues: the completions under way go on with the new weights. A group's staleness counts from its oldest token; a
-group too stale for the step that would take it is dropped and its prompt sent again. The groups read but not trained
-at a checkpoint are saved with it (`save_state`) and drawn again on resume (`resume_from`).
+training loop (`batches()`, read by `get_batch_samples`) the groups in the order they complete. A weight sync pauses
+every server (`/pause_generation` mode `retract`), gives it the new weights and continues: the completions under way go
+on with them. With dumps the main process's update thread pauses, reloads and continues; with `transport: distributed`
+the broadcast is sent at the sync, the servers paused around it. A group's staleness counts from its oldest token; a
+group too stale for the step that would take it, or with tokens from an update that stopped half-way (`<N>-partial`),
+is dropped and its prompt sent again. The groups read but not trained at a checkpoint are saved with it (`save_state`)
+and drawn again on resume (`resume_from`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -22,7 +25,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from open_r1_ext.protocol import Completion
+from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ABORT_RETRIES, AbortedRequestError, ServerError
 from open_r1_ext.trainer.generation import (AsyncRemoteGeneration, RemoteGeneration, prompts_in_flight, prompts_key,
@@ -60,6 +63,10 @@ class Group:
     def versions(self) -> list[int]:
         """The weight versions (step numbers) its tokens were drawn with, oldest first."""
         return sorted({version_number(v) for c in self.completions or () for v in c.versions})
+
+    def partial(self) -> bool:
+        """Whether some of its tokens were drawn from weights an update reached only in part (`<N>-partial`)."""
+        return any(is_partial(v) for c in self.completions or () for v in c.versions)
 
 
 class InFlightGeneration(AsyncRemoteGeneration):
@@ -122,17 +129,25 @@ class InFlightGeneration(AsyncRemoteGeneration):
         return [row for g in groups for row in g.rows]
 
     def stale(self, group: Group, step: int) -> Optional[int]:
-        """The group's staleness at `step` (the step its training would start from) if it exceeds
-        `max_weight_staleness`, else None; a group sampled from weights older than the server was confirmed at (it
-        restarted and lost them) has the servers' weights restored; once a restore failed, training stops here."""
+        """The group's staleness at `step` (the step its training would start from) if it must be dropped: it exceeds
+        `max_weight_staleness`, or some tokens came from a broadcast that stopped half-way (`Group.partial`); else
+        None. A group sampled from weights older than the server was confirmed at (it restarted and lost them) has the
+        servers' weights restored: a dump reloaded on the update thread (once that failed, training stops here), or
+        with `transport: distributed` the weights sent now, as to a server that holds partial ones
+        (`RemoteGeneration._restore`, which stops training if they cannot be)."""
         if self._restore_error is not None:
             raise WeightSyncError(self._restore_error)
         versions = group.versions()
         staleness = step - versions[0]
-        if versions[-1] < group.sent_at and self.trainer.accelerator.is_main_process:
+        lost = versions[-1] < group.sent_at
+        if self.target.distributed and (lost or group.partial()):
+            self._restore()  # sent now (or by the main process meanwhile), else `WeightSyncError`
+        elif lost and self.trainer.accelerator.is_main_process:
             logger.warning("generation server sampled a group from weights %d, older than the weights %s it was given "
                            "(restarted?): restoring them", versions[-1], self.target.version)
-            self._updates.append(self.rollouts.submit(self._restore))
+            self._updates.append(self.rollouts.submit(self._restore_dump))
+        if group.partial():
+            return staleness
         return staleness if staleness > self.trainer.args.max_weight_staleness else None
 
     def split_groups(self, rows: list, epoch: int, batch: int) -> list[Group]:
@@ -192,7 +207,8 @@ class InFlightGeneration(AsyncRemoteGeneration):
 
     def sync_weights(self, step: int, references) -> None:
         """Dump now; the reference servers reload now; the generation servers pause, reload and continue on the update
-        thread (main process) while generation and training go on."""
+        thread (main process) while generation and training go on. With `transport: distributed`, the broadcast now,
+        the servers paused around it (`_send`)."""
         if self._starting:
             return RemoteGeneration.sync_weights(self, step, references)
         self._newest_dump = step
@@ -206,22 +222,51 @@ class InFlightGeneration(AsyncRemoteGeneration):
         makes this one pointless: skipped. A failure is kept for `_wait_for_weights` to report."""
         if step < self._newest_dump:
             return
-        client, timer = self.target.client, self.trainer.step_timer
+        timer = self.trainer.step_timer
         with timer.part("paused"):  # the servers stand still from the pause to the continue
             try:
-                client.pause_generation(PAUSE_MODE)
-                try:
-                    with timer.part("reload"):
-                        self.weight_sync.push_and_confirm([self.target], path, step)
-                    self._update_error = None
-                finally:
-                    client.continue_generation()
+                with self._servers_paused(), timer.part("reload"):
+                    self.weight_sync.push_and_confirm([self.target], path, step)
+                self._update_error = None
             except ServerError as err:  # WeightSyncError among them
                 self._update_error = f"weight sync of step {step} failed: {err}"
                 logger.warning("%s", self._update_error)
 
-    def _restore(self) -> None:
-        """Update thread: give the generation server(s) the last confirmed weights again if they lost them."""
+    @contextlib.contextmanager
+    def _servers_paused(self) -> Iterator[None]:
+        """Main process, around a weight update: every generation server paused (`PAUSE_MODE`: the requests under way
+        keep their tokens and go on with the new weights), and continued after the block, also when it failed."""
+        client = self.target.client
+        client.pause_generation(PAUSE_MODE)
+        try:
+            yield
+        finally:
+            client.continue_generation()
+
+    def _send(self, step: int, only: Optional[list[str]] = None, collective: bool = True) -> Optional[str]:
+        """`transport: distributed`: the broadcast (a sync, or a catch-up) with the generation servers paused around
+        it, as a reload; the main process's training thread waits for it all (`timing/reload_wait`). SGLang takes a
+        distributed update at once while paused, its cache flushed with the retracted requests waiting. A server
+        that does not answer the pause fails the broadcast too, which the main process enters all the same (a
+        collective). A failed sync is kept for `_wait_for_weights` to report."""
+        send = super()._send
+        if not self.trainer.accelerator.is_main_process:
+            return send(step, only, collective)
+        sent: list[Optional[str]] = []  # the broadcast's outcome, once it ran
+        with self.trainer.step_timer.part("reload_wait"):
+            try:
+                with self._servers_paused():
+                    sent.append(send(step, only, collective))
+            except ServerError as err:  # the pause, or the continue
+                logger.warning("generation servers: %s", err)
+                if not sent:
+                    sent.append(send(step, only, collective))
+        if only is None:
+            self._update_error = None if sent[0] is None else f"weight sync of step {step} failed: {sent[0]}"
+        return sent[0]
+
+    def _restore_dump(self) -> None:
+        """Update thread: give the generation server(s) the last confirmed dump again if they lost its weights."""
         try:
             if self.target.client.weight_version() != self.target.version:
                 self.weight_sync.repush(self.target)
@@ -268,13 +313,13 @@ class InFlightGeneration(AsyncRemoteGeneration):
 
     def log_drop(self, group: Group, step: int, staleness: int) -> None:
         self._dropped += 1
-        versions = group.versions()
+        versions, partial = group.versions(), group.partial()
         logger.debug("dropped the group of prompt %s (batch %d): its oldest token is %d step(s) old at step %d "
-                    "(max_weight_staleness=%d); sending it again", group.index, group.batch, staleness, step + 1,
-                    self.trainer.args.max_weight_staleness)
+                    "(max_weight_staleness=%d)%s; sending it again", group.index, group.batch, staleness, step + 1,
+                    self.trainer.args.max_weight_staleness, ", some from a partial weight update" if partial else "")
         self._append_rollouts([{"step": step + 1, "epoch": group.epoch, "group": list(group.position),
                                 "versions": versions, "weight_version": versions[0], "staleness": staleness,
-                                "sent": group.attempt + 1, "dropped": True}])
+                                "sent": group.attempt + 1, "dropped": True, **({"partial": True} if partial else {})}])
 
     def _append_rollouts(self, entries: list[dict]) -> None:
         if self.trainer.accelerator.is_main_process:

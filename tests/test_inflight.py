@@ -349,6 +349,38 @@ def test_a_run_stopped_mid_way_resumes_without_losing_or_doubling_a_group(any_se
     assert redraw <= trained_after and not skip & trained_after  # drawn again / not again
 
 
+def test_num_iterations_trains_each_group_that_many_times_and_checkpoints_between_batches(server, tiny_model,
+                                                                                          tmp_path):
+    """`num_iterations: 2` at TRL's defaults (steps_per_generation = gradient_accumulation_steps): each generation
+    batch of in-flight groups trains over two optimizer steps; the checkpoint of step 2 falls between two batches and
+    the resumed run trains the next batch, no group twice across it."""
+    def trainer_for(max_steps):
+        args = in_flight_config(tmp_path, server.url, max_steps=max_steps, num_iterations=2, max_weight_staleness=2,
+                                save_strategy="steps", save_steps=2, max_completion_length=8)
+        trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args,
+                                    train_dataset=tiny_dataset(16))
+        generate, generated_at = trainer._generate_and_score_completions, []
+
+        def recorded(inputs):
+            generated_at.append(trainer.state.global_step)
+            return generate(inputs)
+
+        trainer._generate_and_score_completions = recorded
+        return trainer, generated_at
+
+    first, generated_first = trainer_for(2)
+    first.train()
+    second, generated_second = trainer_for(4)
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 4
+    assert generated_first == [0] and generated_second == [2]  # a batch generated every 2 steps, trained at both
+    log = rollouts(tmp_path)
+    assert [e["step"] for e in log if not e.get("dropped")] == [1, 1, 3, 3]  # 2 groups a batch, taken at its 1st step
+    assert set(trained_positions(log).values()) == {1}  # no group taken twice, across the checkpoint neither
+    assert SGLangClient(server.url).weight_version() == "4"
+    restore_default_weights(server.url, tiny_model)
+
+
 def test_a_replica_killed_while_paused_loses_no_group(any_server, tiny_model, tmp_path):
     """A pool of `any_server` (a) and a second server of its kind (b): at a sync after step 2 at which b holds requests,
     b is killed (SIGKILL, SGLang's scheduler and detokenizer with it) once both are paused, before the reload. The
@@ -404,7 +436,9 @@ def test_a_replica_killed_while_paused_loses_no_group(any_server, tiny_model, tm
 @pytest.mark.parametrize("overrides,message", [
     (dict(async_generation=False), "needs async_generation=True"),
     (dict(generation_backend="openai"), "needs generation_backend='sglang'"),
-    (dict(num_iterations=2), "every optimizer step to train whole generation batches"),
+    (dict(steps_per_generation=3, gradient_accumulation_steps=2), "optimizer steps and generation batches to line up"),
+    (dict(num_iterations=2, save_strategy="steps", save_steps=3), "a checkpoint must fall between two batches"),
+    (dict(num_iterations=2, save_strategy="steps", save_steps=2, max_steps=3), "max_steps=3 would stop"),
     (dict(max_prompts_in_flight=1), "at least the prompts of one generation batch"),
 ])
 def test_in_flight_config_errors(tmp_path, overrides, message):

@@ -1,10 +1,11 @@
-"""Two trainer processes (accelerate launch, CPU, gloo) against one real server: shards, gathers, weight sync; and a
-trainer process leaves its process group at exit."""
+"""Two trainer processes (accelerate launch, CPU, gloo) against one real server: shards, gathers, weight sync, and
+in-flight updates in each; and a trainer process leaves its process group at exit."""
 
 import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import requests
@@ -13,7 +14,7 @@ from open_r1_ext.launch.local_server import free_port
 from tests.helpers import REPO, restore_default_weights
 
 
-def run_ranks(tiny_model, url, out: Path, processes: int, per_device: int) -> list[dict]:
+def run_ranks(tiny_model, url, out: Path, processes: int, per_device: int, *mode: str) -> list[dict]:
     # `--multi_gpu` selects accelerate's torchrun launcher; with no GPU the ranks run on CPU over gloo (`--cpu` would
     # pick its MPI launcher instead).
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
@@ -21,7 +22,8 @@ def run_ranks(tiny_model, url, out: Path, processes: int, per_device: int) -> li
     if processes == 1:
         launcher = [sys.executable]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    result = subprocess.run([*launcher, "-m", "tests.multiprocess_train", str(tiny_model), url, str(out), str(per_device)],
+    script = ["-m", "tests.multiprocess_train", str(tiny_model), url, str(out), str(per_device), *mode]
+    result = subprocess.run([*launcher, *script],
                             capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return [json.loads((out / f"rank-{i}.json").read_text()) for i in range(processes)]
@@ -49,6 +51,21 @@ def test_two_processes_match_one_process(tiny_model, server, tmp_path):
     assert [e["step"] for e in log] == [1, 2, 3]
     assert {r["server_version"] for r in two} == {r["target_version"] for r in two} == {"3"}
     restore_default_weights(server.url, tiny_model)
+
+
+def test_two_processes_keep_prompts_in_flight_and_log_every_group(tiny_model, server, tmp_path):
+    """In-flight updates in each of two processes (one group a step each, up to two in flight): every group either
+    trained is in rollouts.jsonl, once, named by its process."""
+    try:
+        ranks = run_ranks(tiny_model, server.url, tmp_path, 2, 4, "in-flight")
+    finally:
+        restore_default_weights(server.url, tiny_model)
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    assert [r["most_in_flight"] for r in ranks] == [2, 2]  # a group beyond the one its step takes
+    log = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    logged = Counter((e["process"], e["epoch"], *e["group"]) for e in log if not e.get("dropped"))
+    assert logged == Counter((r["rank"], *position) for r in ranks for position in r["trained"])
+    assert len(logged) == 4 and set(logged.values()) == {1}
 
 
 LEAVES_AT_EXIT = """

@@ -181,8 +181,12 @@ class RemoteGRPOConfig(GRPOConfig):
             waits for the reload that makes them possible (`timing/reload_wait`). The groups read but not trained
             when a checkpoint is saved are saved with it and drawn again on resume (the data loader resumes after
             the trained batches, as TRL's). Needs generation on SGLang-protocol servers (SGLang, or the built-in
-            server), full-weight sync (not adapter-only LoRA), and every optimizer step to train whole generation
-            batches (`gradient_accumulation_steps` a multiple of `steps_per_generation x num_iterations`).
+            server), full-weight sync (not adapter-only LoRA), and optimizer steps lined up with generation batches
+            (one of `gradient_accumulation_steps`, `steps_per_generation x num_iterations` a multiple of the other, as
+            at TRL's default `steps_per_generation`). When a batch trains over several optimizer steps
+            (`num_iterations > 1`), `save_steps` and (when checkpoints are saved) `max_steps` must be multiples of
+            that number, so that checkpoints fall between batches. With several trainer processes, `rollouts.jsonl` holds every process's groups
+            (`process`).
         max_prompts_in_flight (`int` or `None`, *optional*, defaults to `None`):
             With `in_flight_updates`: the most prompts a trainer process has read from the data and not yet handed to
             a training step (sent to a server, or complete and waiting), each a group of `num_generations`
@@ -465,12 +469,13 @@ class RemoteGRPOConfig(GRPOConfig):
             raise ValueError("in_flight_updates=True needs generation_backend='sglang': it pauses and continues the "
                              "servers with SGLang's /pause_generation and /continue_generation")
         period = self.steps_per_generation * self.num_iterations
-        if self.gradient_accumulation_steps % period:
+        if period % self.gradient_accumulation_steps and self.gradient_accumulation_steps % period:
             raise ValueError(
-                f"in_flight_updates=True needs every optimizer step to train whole generation batches: "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps} is not a multiple of steps_per_generation "
-                f"x num_iterations = {period} (else a checkpoint could fall inside a batch whose groups it cannot "
-                "name); use the defaults (steps_per_generation = gradient_accumulation_steps, num_iterations = 1)")
+                f"in_flight_updates=True needs optimizer steps and generation batches to line up: "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} and steps_per_generation x "
+                f"num_iterations = {period} are not multiples of one another; leave steps_per_generation at TRL's "
+                "default (gradient_accumulation_steps)")
+        self._check_in_flight_checkpoints(period // self.gradient_accumulation_steps)
         rows = self.per_device_train_batch_size * self.steps_per_generation
         if rows % self.num_generations:
             raise ValueError(
@@ -480,6 +485,25 @@ class RemoteGRPOConfig(GRPOConfig):
         if self.max_prompts_in_flight is not None and self.max_prompts_in_flight < rows // self.num_generations:
             raise ValueError(f"max_prompts_in_flight={self.max_prompts_in_flight}: at least the prompts of one generation "
                              f"batch per process ({rows // self.num_generations}), or a step could never fill")
+
+    def _check_in_flight_checkpoints(self, steps_per_batch: int) -> None:
+        """With in-flight updates a generation batch trains over `steps_per_batch` optimizer steps (`num_iterations`
+        at TRL's defaults): every checkpoint, and the last step, must fall between two batches, or a resumed run would
+        train a batch's groups again from their first pass (the checkpoint holds no half-trained batch)."""
+        if steps_per_batch <= 1:
+            return
+        fix = (f"use multiples of {steps_per_batch} (steps_per_generation x num_iterations / "
+               "gradient_accumulation_steps)")
+        if self.save_strategy == "best" or (self.save_strategy == "steps" and self.save_steps % steps_per_batch):
+            raise ValueError(
+                f"in_flight_updates=True with num_iterations={self.num_iterations}: each generation batch trains over "
+                f"{steps_per_batch} optimizer steps, so a checkpoint must fall between two batches: save_strategy="
+                f"{self.save_strategy.value!r}, save_steps={self.save_steps} could save one half-trained; {fix} for "
+                "save_steps (save_strategy 'steps'), or save_strategy 'epoch' / 'no'")
+        if self.save_strategy != "no" and self.max_steps > 0 and self.max_steps % steps_per_batch:
+            raise ValueError(
+                f"in_flight_updates=True with num_iterations={self.num_iterations}: max_steps={self.max_steps} would "
+                f"stop (and save) inside a generation batch that trains over {steps_per_batch} optimizer steps; {fix}")
 
     def _check_dynamic_sampling(self) -> None:
         """The `dynamic_sampling_*` fields' ranges, and what filtering needs (see the class docstring)."""

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+from accelerate.utils import gather_object
 
 from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.server_pool import ServerPool
@@ -90,7 +91,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
         self._newest_dump = -1  # an update of an older dump than this is skipped: the newer one replaces it
         self._resume_state: Optional[dict] = None
         self._starting = False
-        self._dropped = 0  # groups dropped for staleness since the last batch (a metric)
+        self._dropped: list[dict] = []  # the rollouts.jsonl entries of the groups dropped since the last batch
         self.closing = False
 
     # ------------------------------------------------------------------ the training loop's side
@@ -297,31 +298,37 @@ class InFlightGeneration(AsyncRemoteGeneration):
 
     # ------------------------------------------------------------------ logs
     def _log_groups(self, groups: list[Group], step: int) -> None:
-        """Each group a step takes, in `rollouts.jsonl` (main process) and the staleness metrics."""
+        """Each group a step takes, and those dropped while it waited, in `rollouts.jsonl` and the staleness metrics."""
         metrics = self.trainer._metrics["train"]
-        entries = []
-        for group in groups:
-            versions = group.versions()
-            entries.append({"step": step + 1, "epoch": group.epoch, "group": list(group.position), "versions": versions,
-                            "weight_version": versions[0], "staleness": step - versions[0], "sent": group.attempt + 1,
-                            **({"replica": group.replica} if group.replica is not None else {})})
+        entries = [self._entry(group, step, step - group.versions()[0]) for group in groups]
         metrics["remote/staleness"].append(float(max(e["staleness"] for e in entries)))
-        metrics["inflight/dropped_groups"].append(float(self._dropped))
+        metrics["inflight/dropped_groups"].append(float(len(self._dropped)))
         metrics["inflight/versions_per_group"].append(sum(len(e["versions"]) for e in entries) / len(entries))
-        self._dropped = 0
-        self._append_rollouts(entries)
+        self._append_rollouts(self._dropped + entries)
+        self._dropped = []
 
     def log_drop(self, group: Group, step: int, staleness: int) -> None:
-        self._dropped += 1
-        versions, partial = group.versions(), group.partial()
+        partial = group.partial()
         logger.debug("dropped the group of prompt %s (batch %d): its oldest token is %d step(s) old at step %d "
                     "(max_weight_staleness=%d)%s; sending it again", group.index, group.batch, staleness, step + 1,
                     self.trainer.args.max_weight_staleness, ", some from a partial weight update" if partial else "")
-        self._append_rollouts([{"step": step + 1, "epoch": group.epoch, "group": list(group.position),
-                                "versions": versions, "weight_version": versions[0], "staleness": staleness,
-                                "sent": group.attempt + 1, "dropped": True, **({"partial": True} if partial else {})}])
+        self._dropped.append({**self._entry(group, step, staleness), "dropped": True,
+                              **({"partial": True} if partial else {})})
+
+    def _entry(self, group: Group, step: int, staleness: int) -> dict:
+        """A group's line in `rollouts.jsonl`; with several trainer processes, `process` names whose group it is
+        (`group` is its place in that process's share of the data)."""
+        versions, accelerator = group.versions(), self.trainer.accelerator
+        return {"step": step + 1, "epoch": group.epoch, "group": list(group.position), "versions": versions,
+                "weight_version": versions[0], "staleness": staleness, "sent": group.attempt + 1,
+                **({"process": accelerator.process_index} if accelerator.num_processes > 1 else {}),
+                **({"replica": group.replica} if group.replica is not None else {})}
 
     def _append_rollouts(self, entries: list[dict]) -> None:
+        """Every process's entries, gathered (each process forms its batches in step with the others), written by
+        the main process."""
+        if self.trainer.accelerator.num_processes > 1:
+            entries = gather_object(entries)
         if self.trainer.accelerator.is_main_process:
             with open(Path(self.trainer.args.output_dir) / "rollouts.jsonl", "a") as log:
                 log.write("".join(json.dumps(e) + "\n" for e in entries))

@@ -8,6 +8,7 @@ run on the built-in server too (it answers such ids with HTTP 400)."""
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,8 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from open_r1_ext import RemoteGRPOTrainer
-from open_r1_ext.launch.local_server import (EPHEMERAL_PORTS, LOWEST_FREE_PORT, SGLangServer, SharedMemoryFiles,
-                                             free_port)
+from open_r1_ext.launch.local_server import (EPHEMERAL_PORTS, LOWEST_FREE_PORT, ORPHAN_AGE_S, SHARED_MEMORY,
+                                             BuiltinServer, SGLangServer, SharedMemoryFiles, free_port)
 from open_r1_ext.sglang_client import OutOfVocabularyError, SGLangClient
 from tests.helpers import reward_len, tiny_config
 
@@ -81,13 +82,46 @@ def test_a_killed_sglang_server_leaves_no_shared_memory_file_and_another_servers
     victim = SGLangServer(str(tiny_model), python=sglang_python, log_path=str(tmp_path / "victim.log")).start()
     left = victim.shared_memory.files
     assert sorted(Path(path).name[:7] for path in left) == ["sem.mp-", "sglang_"]  # sem.mp-*, sglang_loads_*.shm
-    os.killpg(victim.process.pid, signal.SIGKILL)
-    victim.process.wait()
-    assert all(os.path.exists(path) for path in left)  # SGLang removed none of them
+    opened = [os.open(path, os.O_RDONLY) for path in left]  # held here meanwhile: another test's server starting
+    try:  # now would take them for orphans once a minute old (`remove_orphaned_shared_memory`)
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        victim.process.wait()
+        assert all(os.path.exists(path) for path in left)  # SGLang removed none of them
+    finally:
+        for fd in opened:
+            os.close(fd)
     victim.stop()  # the server is gone: its files go
     assert not [path for path in left if os.path.exists(path)]
     assert all(os.stat(path).st_ino == inode for path, inode in other.files.items())
     assert healthy(sglang_server.url)
+
+
+def test_files_that_killed_servers_left_are_removed_as_a_server_starts_and_held_ones_stay(tiny_model, sglang_server,
+                                                                                          tmp_path):
+    """What a server SIGKILLed before anyone could remove its files leaves (a job task SIGKILLed by SLURM after its
+    KillWait, 5 s on the local cluster) is removed as the next server starts on the node: files of SGLang's kinds
+    that no process maps or holds, older than a minute. A running SGLang's files stay, old or not, and so does a file
+    just made."""
+    running = SharedMemoryFiles()
+    running.note(sglang_server.process.pid)
+    long_ago = time.time() - 2 * ORPHAN_AGE_S
+    for path in running.files:
+        os.utime(path, (long_ago, long_ago))  # as old as an orphan: held, so it stays
+    orphans = [SHARED_MEMORY / f"sem.mp-test{os.getpid()}", SHARED_MEMORY / f"sglang_loads_test_{os.getpid()}.shm"]
+    young = SHARED_MEMORY / f"sem.mp-young{os.getpid()}"
+    for path in [*orphans, young]:
+        path.write_bytes(b"\0" * 32)
+    for path in orphans:
+        os.utime(path, (long_ago, long_ago))
+    try:
+        with BuiltinServer(str(tiny_model), log_path=str(tmp_path / "server.log")) as started:
+            assert healthy(started.url)
+        assert not [path for path in orphans if path.exists()]
+        assert young.exists() and all(os.stat(path).st_ino == inode for path, inode in running.files.items())
+        assert healthy(sglang_server.url)
+    finally:
+        for path in [*orphans, young]:
+            path.unlink(missing_ok=True)
 
 
 def test_a_server_port_is_one_no_outgoing_connection_takes_meanwhile(server):

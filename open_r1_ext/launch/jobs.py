@@ -28,7 +28,8 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 from open_r1_ext.config.arguments import add_recipe_arguments
 from open_r1_ext.launch.slurm_plan import (POLL_S, REF_SERVER, SBATCH, SERVER, SERVER_ROLES, SUBMITIT, TRAINER,
                                            RunFiles, SlurmPlan, argv, role_var)
-from open_r1_ext.launch.local_server import SharedMemoryFiles, die_with_parent, free_port
+from open_r1_ext.launch.local_server import (SharedMemoryFiles, die_with_parent, free_port,
+                                             remove_orphaned_shared_memory)
 from open_r1_ext.launch.preflight import launch_refused
 from open_r1_ext.launch.run_key import write_run_key
 from open_r1_ext.server_pool import read_addresses
@@ -409,6 +410,8 @@ def run_node_server(cmd: list[str]) -> int:
     left in this node's /dev/shm are removed (`SharedMemoryFiles`, noted every `NOTE_SHARED_MEMORY_S` while it runs,
     as SGLang makes some after its start); SIGTERM (scancel, the job's end) stops it. Its exit status."""
     stop_on_signals()
+    if orphans := remove_orphaned_shared_memory():
+        log(f"removed what killed servers left in /dev/shm: {' '.join(orphans)}")
     process, shared_memory, said = _spawn(cmd), SharedMemoryFiles(), set()
     try:
         while True:
@@ -511,6 +514,8 @@ def _serve(plan: SlurmPlan, role: str, ctx: JobContext, index: int, port: int, m
     try:
         if lead:
             _join(files, me, echo)
+        if ctx.launcher != SBATCH and (orphans := remove_orphaned_shared_memory()):  # (under sbatch: srun's task)
+            echo(f"{me}: removed what killed servers left in /dev/shm: {' '.join(orphans)}")
         process = start_on_nodes(plan, role, ctx, index, port)
         if lead:
             _advertise_when_healthy(plan, process, address, addr_file, me, echo)

@@ -55,6 +55,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 SHARED_MEMORY = Path("/dev/shm")
 PROCESS_EXIT_WAIT_S = 10.0  # how long the server's processes may take to go once its first process ended
+ORPHANS = ("sem.mp-*", "sglang_loads_*.shm")  # what a SIGKILLed SGLang leaves in /dev/shm (its locks, its load report)
+ORPHAN_AGE_S = 60.0  # an unheld file of those kinds older than this is an orphan (`remove_orphaned_shared_memory`)
 
 
 class SharedMemoryFiles:
@@ -74,19 +76,7 @@ class SharedMemoryFiles:
             root = psutil.Process(pid)
             for process in [root, *root.children(recursive=True)]:
                 self.processes[process.pid] = process
-        device, held = os.stat(SHARED_MEMORY).st_dev, set()
-        for pid in self.processes:
-            with contextlib.suppress(OSError):
-                for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                    fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and fields[5].startswith(f"{SHARED_MEMORY}/"):
-                        held.add(int(fields[4]))
-            with contextlib.suppress(OSError):
-                for fd in os.scandir(f"/proc/{pid}/fd"):
-                    with contextlib.suppress(OSError):
-                        found = os.stat(fd.path)
-                        if found.st_dev == device:
-                            held.add(found.st_ino)
+        held = held_inodes(self.processes)
         self.files.update({entry.path: entry.inode() for entry in os.scandir(SHARED_MEMORY) if entry.inode() in held})
 
     def remove(self) -> list[str]:
@@ -105,6 +95,47 @@ class SharedMemoryFiles:
                     removed.append(path)
         self.files, self.processes = {}, {}
         return removed
+
+
+def held_inodes(pids) -> set[int]:
+    """The inodes of the /dev/shm files that processes `pids` map or hold open (those that can be read)."""
+    device, held = os.stat(SHARED_MEMORY).st_dev, set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(f"{SHARED_MEMORY}/"):
+                    held.add(int(fields[4]))
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    found = os.stat(fd.path)
+                    if found.st_dev == device:
+                        held.add(found.st_ino)
+    return held
+
+
+def remove_orphaned_shared_memory(min_age_s: float = ORPHAN_AGE_S) -> list[str]:
+    """The files of SGLang's kinds (`ORPHANS`) in /dev/shm that no process maps or holds open, owned by this user and
+    older than `min_age_s` (a file is mapped within moments of its making): what servers SIGKILLed before anyone
+    could remove their files left (a job's task SIGKILLed by SLURM after its `KillWait`, a trainer SIGKILLed with its
+    embedded server). Run as a server starts; the paths removed."""
+    uid, now, orphans = os.getuid(), time.time(), {}
+    for pattern in ORPHANS:
+        for path in SHARED_MEMORY.glob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                found = path.stat()
+                if found.st_uid == uid and now - found.st_mtime > min_age_s:
+                    orphans[found.st_ino] = path
+    if not orphans:
+        return []
+    held, removed = held_inodes(psutil.pids()), []
+    for inode, path in orphans.items():
+        with contextlib.suppress(FileNotFoundError):
+            if inode not in held and path.stat().st_ino == inode:
+                path.unlink()
+                removed.append(str(path))
+    return removed
 
 
 def _running(process: psutil.Process) -> bool:
@@ -157,6 +188,7 @@ class LocalServer:
         """Start the server's process, not waiting for it. Started from the main thread, the server gets SIGTERM when
         this process dies, however it dies (even SIGKILL): an embedded server never outlives its trainer. (From
         another thread it would die with that thread, so there it is left to `stop()`.)"""
+        remove_orphaned_shared_memory()
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         on_main_thread = threading.current_thread() is threading.main_thread()

@@ -21,7 +21,7 @@ from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from open_r1_ext import RemoteGRPOConfig
-from open_r1_ext.launch.local_server import LocalServer, free_port
+from open_r1_ext.launch.local_server import LocalServer, SharedMemoryFiles, free_port
 from open_r1_ext.protocol import DEFAULT_WEIGHT_VERSION
 from open_r1_ext.sglang_client import SGLangClient
 from tools.bench_common import arithmetic_prompts
@@ -179,8 +179,9 @@ def unload_adapters(url: str) -> None:
 def server_like(server: LocalServer, port: Optional[int] = None, log_path: Optional[Path] = None) -> LocalServer:
     """Another server of `server`'s kind (a built-in server or SGLang, with its interpreter and flags) on the same
     model, on `port` (default: a free one), logging to `log_path`; not started."""
-    other = copy.copy(server)  # its class, command and settings; a process of its own
+    other = copy.copy(server)  # its class, command and settings; a process of its own, its own /dev/shm files
     other.port, other.log_path, other.process = port or free_port(server.host), log_path, None
+    other.shared_memory = SharedMemoryFiles()
     return other
 
 

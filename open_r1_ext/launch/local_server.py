@@ -131,7 +131,7 @@ def remove_orphaned_shared_memory(min_age_s: float = ORPHAN_AGE_S) -> list[str]:
         return []
     held, removed = held_inodes(psutil.pids()), []
     for inode, path in orphans.items():
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone meanwhile, or a read-only /dev/shm: a sweep never stops a start
             if inode not in held and path.stat().st_ino == inode:
                 path.unlink()
                 removed.append(str(path))

@@ -140,16 +140,14 @@ class InFlightGeneration(AsyncRemoteGeneration):
             raise WeightSyncError(self._restore_error)
         versions = group.versions()
         staleness = step - versions[0]
-        lost = versions[-1] < group.sent_at
-        if self.target.distributed and (lost or group.partial()):
+        lost, partial = versions[-1] < group.sent_at, group.partial()
+        if self.target.distributed and (lost or partial):
             self._restore()  # sent now (or by the main process meanwhile), else `WeightSyncError`
         elif lost and self.trainer.accelerator.is_main_process:
             logger.warning("generation server sampled a group from weights %d, older than the weights %s it was given "
                            "(restarted?): restoring them", versions[-1], self.target.version)
             self._updates.append(self.rollouts.submit(self._restore_dump))
-        if group.partial():
-            return staleness
-        return staleness if staleness > self.trainer.args.max_weight_staleness else None
+        return staleness if partial or staleness > self.trainer.args.max_weight_staleness else None
 
     def split_groups(self, rows: list, epoch: int, batch: int) -> list[Group]:
         """A generation batch of the data loader (each example `num_generations` times in a row) as groups."""

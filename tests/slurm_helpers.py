@@ -47,7 +47,13 @@ class TinyRun:
         return path.read_text() if path.exists() else ""
 
     def wait_for_no_jobs(self) -> None:
-        wait_until(lambda: not self.jobs(), JOB_WAIT_S, f"the jobs of {self.job_name} to leave squeue")
+        wait_until(lambda: not self.jobs(), JOB_WAIT_S, f"the jobs of {self.job_name} to leave squeue", self.log_tails)
+
+    def log_tails(self, lines: int = 15) -> str:
+        """The run's status.log and the last `lines` lines of each job's log, for a wait's failure message."""
+        paths = [self.run_dir / "status.log", *sorted((self.run_dir / "logs").glob("*"))]
+        return "".join(f"\n--- {path}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+                       for path in paths if path.is_file())
 
 
 def job_env() -> dict:
@@ -59,14 +65,16 @@ def run_script(*args, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(list(map(str, args)), cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 1.0):
+def wait_until(predicate, timeout: float, what: str, explain=lambda: "", interval: float = 1.0):
+    """The first true value of `predicate`, polled every `interval` s; after `timeout` s an AssertionError naming
+    `what`, with what `explain()` says (e.g. `TinyRun.log_tails`: the logs that tell why)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{explain()}")
         time.sleep(interval)
 
 

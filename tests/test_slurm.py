@@ -173,13 +173,14 @@ def test_grpo_slurm_runs_two_replicas_one_replaced_mid_run_and_leaves_no_job(slu
     run_dir, rollouts = tiny_run.run_dir, tiny_run.run_dir / "rollouts.jsonl"
     try:
         wait_until(lambda: (run_dir / "jobs.env").exists() and "TRAINER_JOB" in (run_dir / "jobs.env").read_text()
-                   or slurm_state(submit_job) not in ("PENDING", "CONFIGURING", "RUNNING"), 120, "grpo.slurm to submit")
+                   or slurm_state(submit_job) not in ("PENDING", "CONFIGURING", "RUNNING"), 120, "grpo.slurm to submit",
+                   tiny_run.log_tails)
         ids = tiny_run.job_ids()
         first, second = ids["SERVER_JOB"].split(",")
         trainer = ids["TRAINER_JOB"]
         wait_until(lambda: {first, second} <= {r for e in jsonl(rollouts) for r in e.get("replicas", [])}
                    and any({first, second} <= set(e["replicas"]) for e in generation_syncs(run_dir)), JOB_WAIT_S,
-                   "both replicas to serve a batch and confirm a sync")
+                   "both replicas to serve a batch and confirm a sync", tiny_run.log_tails)
         subprocess.run(["scancel", first], check=True)
         added = run_script(sys.executable, "-m", "open_r1_ext.cli", "add-server", run_dir)
         assert added.returncode == 0, added.stderr
@@ -212,7 +213,7 @@ def start_long_run(run) -> tuple[str, str]:
     ids = run.job_ids()
     trainer_out = run.run_dir / "logs" / f"trainer-{ids['TRAINER_JOB']}.out"
     wait_until(lambda: trainer_out.exists() and re.search(r"step\s+1\b", trainer_out.read_text()), JOB_WAIT_S,
-               "the trainer's first step")
+               "the trainer's first step", run.log_tails)
     return ids["SERVER_JOB"], ids["TRAINER_JOB"]
 
 
@@ -243,7 +244,7 @@ def test_a_requeued_trainer_keeps_its_servers_which_stop_once_it_is_gone(slurm_c
     server, trainer = start_long_run(tiny_run)
     subprocess.run(["scontrol", "requeue", trainer], check=True)
     wait_until(lambda: f"trainer job {trainer}: requeued; it resumes from the last checkpoint" in tiny_run.status(), 60,
-               "the trainer job to record its requeue")
+               "the trainer job to record its requeue", tiny_run.log_tails)
     assert slurm_state(server) == "RUNNING" and "cancelled server job" not in tiny_run.status()
     subprocess.run(["scancel", trainer], check=True)
     tiny_run.wait_for_no_jobs()

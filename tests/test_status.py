@@ -39,21 +39,24 @@ def status_json(run_dir: Path) -> dict:
 
 
 def test_status_of_a_run_under_sbatch_with_nothing_activated(slurm_cluster, tiny_run, tmp_path):
+    # trainer.server_wait_timeout: how long the trainer waits for the lost server to return, and also the bound of
+    # the server's start (the server job's and the trainer's): 20 s ran out on a busy machine (CI, 2026-12-07)
     tiny_run.overrides += ["trainer.max_steps=500", "trainer.max_retries=2", "trainer.request_timeout=10",
-                           "trainer.server_wait_timeout=20"]  # how long the trainer waits for a lost server to return
+                           "trainer.server_wait_timeout=60"]
     submitted = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/submit-%j.out", "slurm/grpo.slurm", RECIPE,
                                 *tiny_run.set_args], cwd=REPO, env=bare_env(), capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     submit_out = tmp_path / f"submit-{submitted.stdout.strip().split(';')[0]}.out"
     run_dir = tiny_run.run_dir
     wait_until(lambda: (run_dir / "jobs.env").exists() and "TRAINER_JOB" in (run_dir / "jobs.env").read_text(), 120,
-               f"grpo.slurm to submit the jobs ({submit_out})")
+               f"grpo.slurm to submit the jobs ({submit_out})", tiny_run.log_tails)
     ids = tiny_run.job_ids()
     server, trainer = ids["SERVER_JOB"], ids["TRAINER_JOB"]
 
     # while it trains: jobs running, the server healthy at the address it advertised, steps advancing
+    # polled every 3 s: a `status` call costs ~2 s of CPU, which a server starting beside it on 2 cores would lose
     first = wait_until(lambda: (s := status_json(run_dir))["trainer"] and s["trainer"]["step"] >= 2 and s, JOB_WAIT_S,
-                       "the trainer's second step in status --json")
+                       "the trainer's second step in status --json", tiny_run.log_tails, interval=3)
     assert first["schema"] == 1 and first["run_dir"] == str(run_dir)
     assert [(j["role"], j["job_id"], j["state"]) for j in first["jobs"]] == [("server", server, "RUNNING"),
                                                                          ("trainer", trainer, "RUNNING")]
@@ -68,12 +71,13 @@ def test_status_of_a_run_under_sbatch_with_nothing_activated(slurm_cluster, tiny
     assert first["last_sync"]["generation"]["step"] >= 1 and first["staleness"]["last"] == 0
     assert any(f"server job {server}: healthy at {srv['url']}" in e["message"] for e in first["events"])
     later = wait_until(lambda: (s := status_json(run_dir))["trainer"]["step"] > progress["step"] and s, 60,
-                       "a later step in status --json")
+                       "a later step in status --json", tiny_run.log_tails, interval=3)
     assert later["trainer"]["step"] > progress["step"]
 
     # the server killed outright (no clean-up: its address file stays): unhealthy, the URL still named
     subprocess.run(["scancel", "--signal=KILL", "--full", server], check=True)
-    text = wait_until(lambda: "NOT HEALTHY" in (out := status(run_dir).stdout) and out, 60, "the server to show unhealthy")
+    text = wait_until(lambda: "NOT HEALTHY" in (out := status(run_dir).stdout) and out, 60, "the server to show unhealthy",
+                      tiny_run.log_tails, interval=3)
     assert f"server    server {server} {srv['url']}: NOT HEALTHY" in text and f"trainer {trainer}" in text
     down = status_json(run_dir)["servers"][0]
     assert not down["healthy"] and down["url"] == srv["url"] and down["weight_version"] is None and "/health" in down["error"]

@@ -20,15 +20,16 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.sglang_client import (BUSY, DEFAULT_BACKOFF_FACTOR, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_REQUEST_TIMEOUT,
                                        DOWN, HEALTHY, AbortedRequestError, ServerError, ServerRequestError,
                                        SGLangClient)
 from open_r1_ext.wait_progress import WaitProgress
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

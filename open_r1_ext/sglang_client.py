@@ -20,11 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import orjson
 import requests
-import torch
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
@@ -43,6 +42,9 @@ from open_r1_ext.protocol import (
 )
 from open_r1_ext.wait_progress import WaitProgress
 from open_r1_ext.weight_files import MANIFEST, WeightFileError, check_reloadable
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -367,6 +369,8 @@ class SGLangClient:
         """Per-token log-probs `log p(t_i | t_<i)`, i = 1..len-1, of each whole sequence (a reference-model pass)."""
         self.check_token_ids(sequences)
         results = self._batched_generate(list(sequences), reference_request, [len(s) for s in sequences])
+        import torch  # here only: the launchers and `open-r1-ext status` use this client without tensors (~1.5 s)
+
         # One tensor for the whole batch, then split: a single torch.tensor call instead of one per sequence.
         rows = [input_token_logprobs(r) for r in results]
         flat = torch.tensor([entry[0] for row in rows for entry in islice(row, 1, None)], dtype=torch.float32)

@@ -26,12 +26,13 @@ import shutil
 import stat
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
 import xxhash
 from safetensors import SafetensorError
-from safetensors.torch import load, save_file
+
+if TYPE_CHECKING:  # torch (~1.5 s to import) comes with safetensors.torch where tensors are read or written: the
+    import torch  # launchers and `open-r1-ext status` check dumps and talk to servers without it
 
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"
@@ -220,6 +221,8 @@ def read_shard(path: Path) -> dict[str, torch.Tensor]:
         data = path.read_bytes()
     except OSError as err:
         raise WeightFileError(f"{path.parent}: cannot read {path.name}: {err.strerror or err}") from err
+    from safetensors.torch import load
+
     try:
         return load(data)
     except (SafetensorError, ValueError) as err:
@@ -268,6 +271,8 @@ def shard_name(index: int, count: int) -> str:
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], durable: bool = False) -> int:
     """Write one safetensors shard (no copy of CPU tensors: safetensors writes from their memory); with `durable`,
     fsync it (a writer on another machine than the one that seals the dump). Returns its bytes of tensor data."""
+    from safetensors.torch import save_file
+
     save_file(tensors, str(path), metadata={"format": "pt"})
     if durable:
         _fsync(path)

@@ -65,15 +65,14 @@ def cmd_new_recipe(args: argparse.Namespace) -> int:
     comments and everything else stay, for the user to adjust (GPU counts, batch sizes)."""
     from open_r1_ext.config.recipe import RecipeError, load_recipe
 
-    source = Path(args.source)
+    source, out = Path(args.source), Path(args.out)
+    if out.exists() and not args.force:  # said before the recipe's schema loads TRL (seconds)
+        print(f"{out} exists; pass --force to overwrite", file=sys.stderr)
+        return 2
     try:
         recipe = load_recipe(source, check_paths=False)
     except RecipeError as err:
         print(err, file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        print(f"{out} exists; pass --force to overwrite", file=sys.stderr)
         return 2
     old_model = recipe.model.name_or_path
     old_short, new_short = (name.rstrip("/").split("/")[-1] for name in (old_model, args.model))

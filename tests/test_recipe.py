@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from open_r1_ext.cli import main as cli_main
 from open_r1_ext.config.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.slurm_plan import ShellVar, SlurmPlan, shell_join
 from open_r1_ext.train import servers
@@ -228,11 +229,13 @@ def test_recipe_flows_into_the_trainer_config(tmp_path, tiny_recipe):
     assert config.model_init_kwargs["dtype"] == "float32"
 
 
-def test_new_recipe_copies_for_another_model(tmp_path):
+def test_new_recipe_copies_for_another_model(tmp_path, capsys):
+    """In this process (`cli.main`; the command's process start is the validate tests'): a CLI process spends ~5 s of
+    CPU importing TRL for the recipe's schema, which this module has imported already."""
     out = tmp_path / "recipes/Llama-3.1-8B-Instruct/grpo/config_zero2.yaml"
-    result = cli("new-recipe", "--from", "recipes/Qwen2.5-7B-Instruct/grpo/config_zero2.yaml",
-                 "--model", "meta-llama/Llama-3.1-8B-Instruct", str(out))
-    assert result.returncode == 0, result.stderr
+    source = str(REPO / "recipes/Qwen2.5-7B-Instruct/grpo/config_zero2.yaml")
+    assert cli_main(["new-recipe", "--from", source, "--model", "meta-llama/Llama-3.1-8B-Instruct", str(out)]) == 0
+    assert f"wrote {out} (model meta-llama/Llama-3.1-8B-Instruct)" in capsys.readouterr().out
     text = out.read_text()
     assert "meta-llama/Llama-3.1-8B-Instruct" in text and "Qwen/Qwen2.5-7B-Instruct" not in text
     assert text.startswith("# Llama-3.1-8B-Instruct, GRPO")  # comments are kept for the user to edit
@@ -240,8 +243,9 @@ def test_new_recipe_copies_for_another_model(tmp_path):
     assert recipe.model.name_or_path == "meta-llama/Llama-3.1-8B-Instruct"
     assert recipe.output_dir == "runs/Llama-3.1-8B-Instruct-grpo"
     assert recipe.sync["sync_dir"] == "runs/Llama-3.1-8B-Instruct-grpo/weights"
-    assert cli("new-recipe", "--from", "recipes/Qwen2.5-7B-Instruct/grpo/config_zero2.yaml",
-               "--model", "x/y", str(out)).returncode == 2  # no silent overwrite
+    result = cli("new-recipe", "--from", source, "--model", "x/y", str(out))  # a process: said before TRL loads
+    assert (result.returncode, result.stderr) == (2, f"{out} exists; pass --force to overwrite\n")  # no overwrite
+    assert out.read_text() == text
 
 
 G, R = "http://g:1", "http://r:2"  # the URLs the launchers pass for the server jobs they started

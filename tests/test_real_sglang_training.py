@@ -33,6 +33,7 @@ from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE
 from open_r1_ext.weight_files import MANIFEST
 from tests.helpers import (KillServerAt, forward_logprobs, read_jsonl, restore_default_weights, reward_len, served,
                            synced, tiny_config, tiny_dataset, unload_adapters)
+from tests.test_inflight_lora import check_in_flight_lora
 from tests.test_lora import LORA_FLAGS, ServerMatchesPolicy, lora_trainer
 
 
@@ -267,6 +268,12 @@ def test_a_replica_killed_mid_run_comes_back_and_confirms_the_later_syncs(pair, 
     final = {url: assert_serves(url, trainer.model, "5") for url in (a.url, b.url)}  # both on the final policy
     # training moved the weights past the tolerance: a server still on older weights would fail the checks above
     assert max_gap(final[a.url], forward_logprobs(tiny_model, SEQUENCES)) > 5 * ATOL
+
+
+def test_in_flight_adapter_only_lora_sync(pair, tiny_model, tmp_path):
+    """In-flight updates with adapter-only LoRA on `b`: the syncs abort the requests under way, which continue from
+    their tokens under the new adapter (`tests/test_inflight_lora.py`, as on the built-in server)."""
+    check_in_flight_lora(tiny_model, pair["b"].url, tmp_path)
 
 
 def test_adapter_only_lora_sync(pair, tiny_model, tmp_path):

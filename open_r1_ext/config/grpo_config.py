@@ -180,8 +180,10 @@ class RemoteGRPOConfig(GRPOConfig):
             over and over (biasing training towards short completions). Before a step takes groups, the main process
             waits for the reload that makes them possible (`timing/reload_wait`). The groups read but not trained
             when a checkpoint is saved are saved with it and drawn again on resume (the data loader resumes after
-            the trained batches, as TRL's). Needs generation on SGLang-protocol servers (SGLang, or the built-in
-            server), full-weight sync (not adapter-only LoRA), and optimizer steps lined up with generation batches
+            the trained batches, as TRL's). With adapter-only LoRA sync a sync aborts the requests under way and
+            sends each again from its tokens so far under the new adapter (a request keeps the adapter it named).
+            Needs generation on SGLang-protocol servers (SGLang, or the built-in server), and optimizer steps lined
+            up with generation batches
             (one of `gradient_accumulation_steps`, `steps_per_generation x num_iterations` a multiple of the other, as
             at TRL's default `steps_per_generation`). When a batch trains over several optimizer steps
             (`num_iterations > 1`), `save_steps` and (when checkpoints are saved) `max_steps` must be multiples of

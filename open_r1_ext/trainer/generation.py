@@ -302,17 +302,17 @@ class RemoteGeneration:
 
         return generate
 
-    def _sample_with_adapter(self, prompts, sampling: dict, n: int, seeds: list[int]) -> list[Completion]:
+    def _sample_with_adapter(self, prompts, sampling: dict, n: int, seeds: list[int], **options) -> list[Completion]:
         """Sample with the newest adapter this process knows the server holds (`lora_path`; none before the first
         sync: the policy is then the base model); each completion's weight version is that adapter's. A server that
         answers it does not hold the adapter lost it (restarted): the main process loads it again, another waits for
-        that."""
+        that. `options`: `generate`'s others (`keep_aborted`, a pool's `any_version`)."""
         target, main = self.target, self.trainer.accelerator.is_main_process
         for wait in (*ADAPTER_WAITS_S, None):
             version = target.version if target.step is not None else None
             name = adapter_name(version) if version is not None else None
             try:
-                groups = self.client.generate(prompts, sampling, n=n, seeds=seeds, lora_path=name)
+                groups = self.client.generate(prompts, sampling, n=n, seeds=seeds, lora_path=name, **options)
             except ServerRequestError as err:
                 if name is None or name not in str(err) or wait is None:
                     raise
@@ -323,7 +323,7 @@ class RemoteGeneration:
                 else:
                     time.sleep(wait)
                 continue
-            return [dataclasses.replace(c, weight_version=version) if version is not None else c
+            return [dataclasses.replace(c, weight_version=version, weight_versions=None) if version is not None else c
                     for group in groups for c in group]
 
     def _fitting(self, prompts: list[list[int]], sampling: dict) -> dict:

@@ -9,6 +9,16 @@ the broadcast is sent at the sync, the servers paused around it. A group's stale
 group too stale for the step that would take it, or with tokens from an update that stopped half-way (`<N>-partial`),
 is dropped and its prompt sent again. The groups read but not trained at a checkpoint are saved with it (`save_state`)
 and drawn again on resume (`resume_from`).
+
+With adapter-only LoRA sync a request samples with the adapter it named (`lora_path`) to its end: SGLang resolves the
+name to an adapter once, when it receives the request, and a retracted request keeps it. So a sync loads the new
+adapter under a new name (`policy-v<N>`), aborts every request under way (`/pause_generation` mode `abort`, then
+continue), and each completion aborted is sent again from its tokens so far (appended to its prompt, its budget less
+those) under the new adapter. Its tokens keep the version of the adapter that sampled them (`weight_versions` spans),
+so staleness counts as with full weights: from a group's oldest token, never the version it ended with. Letting the old
+requests finish under the old adapter instead would leave a long completion a whole completion behind (dropped as too
+stale over and over) for the same compute: an abort costs what a retract does, the prompt and tokens so far
+prefilled again with the new weights. The newest two adapters stay loaded (`adapters_in_use`).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import logging
 import queue
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -179,21 +189,66 @@ class InFlightGeneration(AsyncRemoteGeneration):
                                f"in-flight {group.epoch}/{group.index}/{group.attempt}")
         extra = {"any_version": True} if isinstance(self.client, ServerPool) else {}
         try:
-            for attempt in range(ABORT_RETRIES + 1):
-                (completions,) = self.client.generate([group.prompt_ids], group.sampling, n=n, seeds=seeds,
-                                                      keep_aborted=True, **extra)
-                if self.closing or all(c.finish_reason != "abort" for c in completions):
-                    group.completions = completions
-                    group.replica = (self.client.served_by() or [None])[0] if extra else None
-                    return
-                logger.warning("generation server aborted a group's request (attempt %d/%d): sending it again",
-                               attempt + 1, ABORT_RETRIES + 1)
-            raise AbortedRequestError(f"{self.client.base_url}/generate aborted a group's request {ABORT_RETRIES + 1} "
-                                      "times; its partial output is not trained on. See the server's log.")
+            if self.target is not None and self.target.adapter:
+                group.completions = self._sample_with_adapters(group, seeds, extra)
+            else:
+                group.completions = self._sample_group(group, seeds, extra)
+            group.replica = (self.client.served_by() or [None])[0] if extra else None
         except BaseException as err:  # noqa: BLE001 - handed to the training thread, which raises it
             group.error = err
         finally:
             done.put(group)
+
+    def _sample_group(self, group: Group, seeds: list[int], extra: dict) -> list[Completion]:
+        for attempt in range(ABORT_RETRIES + 1):
+            (completions,) = self.client.generate([group.prompt_ids], group.sampling, n=len(seeds), seeds=seeds,
+                                                  keep_aborted=True, **extra)
+            if self.closing or all(c.finish_reason != "abort" for c in completions):
+                return completions
+            logger.warning("generation server aborted a group's request (attempt %d/%d): sending it again",
+                           attempt + 1, ABORT_RETRIES + 1)
+        raise self._aborted_too_often()
+
+    def _aborted_too_often(self) -> AbortedRequestError:
+        return AbortedRequestError(f"{self.client.base_url}/generate aborted a group's request {ABORT_RETRIES + 1} "
+                                   "times; its partial output is not trained on. See the server's log.")
+
+    def _sample_with_adapters(self, group: Group, seeds: list[int], extra: dict) -> list[Completion]:
+        """Adapter-only LoRA (see the module docstring): the group's completions, each aborted one continued from its
+        tokens so far under the newest adapter, until none is aborted. An abort with no newer adapter to continue
+        with (not a sync's) counts as the client's retries do (`ABORT_RETRIES`)."""
+        completions = self._sample_with_adapter([group.prompt_ids], group.sampling, len(seeds), seeds,
+                                                keep_aborted=True, **extra)
+        retries, rounds = 0, 0
+        while not self.closing:
+            aborted = [i for i, c in enumerate(completions) if c.finish_reason == "abort"]
+            if not aborted:
+                break
+            if all(completions[i].weight_version == self.target.version for i in aborted):
+                retries += 1
+                if retries > ABORT_RETRIES:
+                    raise self._aborted_too_often()
+                logger.warning("generation server aborted a group's request (attempt %d/%d): continuing it",
+                               retries, ABORT_RETRIES + 1)
+            rounds += 1
+            for length in sorted({len(completions[i].token_ids) for i in aborted}):
+                items = [i for i in aborted if len(completions[i].token_ids) == length]
+                budget = group.sampling["max_new_tokens"] - length
+                if budget <= 0:  # aborted at its last token
+                    for i in items:
+                        completions[i] = replace(completions[i], finish_reason="length")
+                    continue
+                sampling = {**group.sampling, "max_new_tokens": budget}
+                if "min_new_tokens" in sampling:
+                    sampling["min_new_tokens"] = max(0, sampling["min_new_tokens"] - length)
+                salt = f"in-flight {group.epoch}/{group.index}/{group.attempt}/continued {rounds}/{length}"
+                more = sampling_seeds(self.trainer.args.seed, group.batch, "train",
+                                      self.trainer.accelerator.process_index, len(items), salt)
+                tails = self._sample_with_adapter([group.prompt_ids + completions[i].token_ids for i in items],
+                                                  sampling, 1, more, keep_aborted=True, **extra)
+                for i, tail in zip(items, tails):
+                    completions[i] = continued(completions[i], tail)
+        return completions
 
     # ------------------------------------------------------------------ weight updates
     def ensure_weights(self) -> None:
@@ -222,14 +277,27 @@ class InFlightGeneration(AsyncRemoteGeneration):
         if step < self._newest_dump:
             return
         timer = self.trainer.step_timer
-        with timer.part("paused"):  # the servers stand still from the pause to the continue
-            try:
-                with self._servers_paused(), timer.part("reload"):
+        try:
+            if self.target.adapter:  # loaded beside the adapter in use; the requests under way continue with it
+                with timer.part("reload"):
                     self.weight_sync.push_and_confirm([self.target], path, step)
-                self._update_error = None
-            except ServerError as err:  # WeightSyncError among them
-                self._update_error = f"weight sync of step {step} failed: {err}"
-                logger.warning("%s", self._update_error)
+                self._abort_in_flight(f"continuing the completions under way with the adapter of step {step}")
+            else:
+                with timer.part("paused"), self._servers_paused(), timer.part("reload"):  # standing still meanwhile
+                    self.weight_sync.push_and_confirm([self.target], path, step)
+            self._update_error = None
+        except ServerError as err:  # WeightSyncError among them
+            self._update_error = f"weight sync of step {step} failed: {err}"
+            logger.warning("%s", self._update_error)
+
+    def _abort_in_flight(self, why: str) -> None:
+        """Main process: abort every request the generation servers have under way (each answers with its partial
+        output). One the servers do not abort (an error, logged) ends as it was sent."""
+        try:
+            self.target.client.pause_generation("abort")
+            self.target.client.continue_generation()
+        except ServerError as err:
+            logger.warning("could not abort the generation in flight (%s): %s", why, err)
 
     @contextlib.contextmanager
     def _servers_paused(self) -> Iterator[None]:
@@ -292,7 +360,9 @@ class InFlightGeneration(AsyncRemoteGeneration):
                 f"{self._update_error or 'no reload of newer weights succeeded'}")
 
     def adapters_in_use(self) -> int:
-        return 1  # adapter-only LoRA sync is refused with in-flight updates (`RemoteGRPOTrainer`)
+        """The newest two LoRA adapters: a sync aborts the requests of the one before, but a request sent while it
+        loads the new one names the one before (and another process names it until its rollout thread switches)."""
+        return 2
 
     # ------------------------------------------------------------------ logs
     def _log_groups(self, groups: list[Group], step: int) -> None:
@@ -359,11 +429,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
         """End of `train()`: the requests still in flight are aborted (main process) and the threads stopped."""
         self.closing = True
         if self._batches is not None and self._batches.running and self.trainer.accelerator.is_main_process:
-            try:
-                self.target.client.pause_generation("abort")
-                self.target.client.continue_generation()
-            except ServerError as err:
-                logger.warning("could not abort the generation still in flight: %s", err)
+            self._abort_in_flight("the end of training")
         if self._senders is not None:
             self._senders.shutdown(wait=True, cancel_futures=True)
         self._senders, self._batches, self._formed = None, None, None
@@ -478,3 +544,24 @@ class InFlightBatches:
             self.untrained[group.position] = group
         logger.info("resuming in-flight generation at batch %d of the epoch: %d group(s) read but not trained before "
                     "the checkpoint drawn again, %d trained ahead skipped", self.trained, len(self.waiting), len(self.skip))
+
+
+def continued(head: Completion, tail: Completion) -> Completion:
+    """An aborted completion `head` continued by `tail` (sampled with `head`'s tokens appended to the prompt), as one:
+    its `weight_versions` spans say which weights sampled which tokens."""
+    if not head.token_ids:
+        return tail
+    spans: list[tuple[str, int, int]] = []
+    for version, start, end in [*version_spans(head, 0), *version_spans(tail, len(head.token_ids))]:
+        if spans and spans[-1][0] == version:
+            start = spans.pop()[1]
+        spans.append((version, start, end))
+    logprobs = None if head.logprobs is None or tail.logprobs is None else head.logprobs + tail.logprobs
+    return Completion(head.token_ids + tail.token_ids, logprobs, tail.finish_reason, tail.weight_version, spans)
+
+
+def version_spans(completion: Completion, offset: int) -> list[tuple[str, int, int]]:
+    """The completion's `(version, start, end)` spans of tokens, shifted by `offset`; none for no tokens."""
+    spans = completion.weight_versions or ([(completion.weight_version, 0, len(completion.token_ids))]
+                                           if completion.token_ids else [])
+    return [(version, start + offset, end + offset) for version, start, end in spans]

@@ -177,10 +177,6 @@ class RemoteGRPOTrainer(GRPOTrainer):
         self._deferred_reference = None  # see _generate_and_score_completions
         self._loss_references: dict[str, LossReference] = {}  # per mode ("train", "eval"): see _compute_loss
         self._loss_forward: Optional[LossForward] = None
-        if args.in_flight_updates and self.weight_sync.adapter_only:
-            raise ValueError("in_flight_updates=True with adapter-only LoRA sync: a request keeps the adapter it named "
-                             "when it began, so pausing it for new weights would change nothing; set "
-                             "in_flight_updates=False (async_generation alone works with LoRA)")
         self.remote_generation = remote_generation(self, self.weight_sync, InFlightGeneration)
         self.dynamic_sampling = dynamic_sampling(self)  # fills each generation batch with informative groups
         if self.remote_generation is not None:

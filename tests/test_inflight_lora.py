@@ -1,7 +1,7 @@
 """In-flight weight updates with adapter-only LoRA sync (#34): a sync loads the new adapter and aborts the requests
 under way, which continue from their tokens so far under it; each token keeps the version of the adapter that sampled
-it, so staleness counts from a group's oldest token (built-in server: SGLang 0.5.23 cannot start with --enable-lora on
-the CPU, /work/shared/SGLANG-CPU.md)."""
+it, so staleness counts from a group's oldest token. The run here is on the built-in server; the same run on real
+SGLang 0.5.23 is in tests/test_real_sglang_training.py (its LoRA server)."""
 
 import json
 

@@ -283,7 +283,7 @@ def main() -> None:
         model = model_dir(Path(tmp), "tiny")
         with BuiltinServer(str(model), extra_args=("--no-ref-slot", "--num-threads", "1")) as server:
             if args.part in ("async", "both"):
-                figures.update(async_part(model, server.url, Path(tmp), rounds, 6 if args.quick else 14,
+                figures.update(async_part(model, server.url, Path(tmp), rounds, 4 if args.quick else 14,
                                           args.completion_length))
             if args.part in ("in-flight", "both"):
                 figures.update(in_flight_part(model, server.url, Path(tmp), rounds, 4 if args.quick else 64,

@@ -6,6 +6,7 @@ Each benchmark prints `header(facts)` above a `markdown_table(...)` and, with `-
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -120,12 +121,18 @@ def _spin(work: str) -> float:
     return time.perf_counter() - start
 
 
+@functools.cache
+def _spin_workers():
+    """The two processes `parallel_speedup` times, started once per benchmark: a start re-imports the benchmark's
+    module in each (`spawn`), seconds of CPU that a pool per measurement paid each round. Ended at exit."""
+    import multiprocessing
+
+    return multiprocessing.get_context("spawn").Pool(2)
+
+
 def parallel_speedup(work: str = "cache") -> float:
     """(2 x one job alone) / (two jobs at once), the jobs `_spin(work)`: 2.0 on two free cores (and, for `stream`,
     enough memory bandwidth for both), 1.0 when they time-share one."""
-    import multiprocessing
-
     alone = _spin(work)
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        together = max(pool.map(_spin, [work, work]))
+    together = max(_spin_workers().map(_spin, [work, work]))
     return 2 * alone / together

@@ -20,8 +20,8 @@ Sampling is seeded with `ignore_eos`, so every completion has the same length an
 
     python tools/bench_pool.py [--quick] [--json FILE] [--model-dir DIR]
 
-`--quick` (about half a minute on 2 CPU cores) uses the tiny model, fewer prompts and repeats. `--json FILE` writes
-`pool.generate.{one_tokens_per_s,two_tokens_per_s,speedup,bound,ratio_to_bound,ratio_min,ratio_max,target,met}`,
+`--quick` (about half a minute on 2 CPU cores) uses the tiny model, fewer prompts, one round: it checks the harness
+only. `--json FILE` writes `pool.generate.{one_tokens_per_s,two_tokens_per_s,speedup,bound,ratio_to_bound,ratio_min,ratio_max,target,met}`,
 `pool.generate.{cache_bound,ratio_to_cache_bound,direct_tokens_per_s,pool_vs_direct}`,
 `pool.sync.{one_s,two_s,ratio,target,met}`, the timed samples (`*.one_samples_s`, `*.two_samples_s`,
 `pool.generate.direct_samples_s`), the rounds' bounds (`pool.generate.bound_samples`, `cache_bound_samples`) and
@@ -68,7 +68,7 @@ class Setup:
 
 
 FULL = Setup(size="100m", prompts=16, n=4, prompt_len=32, max_new_tokens=32, repeats=5)
-QUICK = Setup(size="tiny", prompts=8, n=4, prompt_len=16, max_new_tokens=16, repeats=2)
+QUICK = Setup(size="tiny", prompts=8, n=4, prompt_len=16, max_new_tokens=16, repeats=1)
 
 
 def measure(models_root: Path, work: Path, setup: Setup) -> dict:
@@ -176,7 +176,7 @@ def table(f: dict, setup: Setup) -> str:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the tiny model, fewer prompts and repeats")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, fewer prompts, one round")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     parser.add_argument("--model-dir", type=Path, default=None, help="build the models here (and reuse them) instead of a temp dir")
     return parser.parse_args(argv)

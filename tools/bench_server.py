@@ -24,8 +24,8 @@ server runs without its `/ref` slot.
 
     python tools/bench_server.py [--quick] [--json FILE] [--model-dir DIR] [--threads N] [--max-batch-wait-ms MS]
 
-`--quick` (under a minute on 2 CPU cores) keeps every measurement but scores the 100M model on a batch of
-2 x 256 with fewer repeats (the table says which batch was used). `--json FILE` also writes every figure under
+`--quick` (under a minute on 2 CPU cores) keeps every measurement, on smaller batches (the 100M model on 2 x 64)
+with fewer repeats (the table says which batch was used): it checks the harness only. `--json FILE` also writes every figure under
 a stable key: `ref_logprobs.{tiny,100m}.{inprocess_tokens_per_s,http_tokens_per_s,ratio,target,met}`,
 `generate.tiny.{sequential_s,batched_s,ratio,target,met}`, the timed samples of each side
 (`*.baseline_samples_s`, `*.ours_samples_s`), and `machine.*` / `config.*`.
@@ -77,9 +77,9 @@ class GenerateSetup:
 
 
 FULL_REF = (RefSetup("tiny", 32, 256, 7), RefSetup("100m", 32, 256, 3))
-QUICK_REF = (RefSetup("tiny", 32, 256, 5), RefSetup("100m", 2, 256, 2))
+QUICK_REF = (RefSetup("tiny", 8, 128, 2), RefSetup("100m", 2, 64, 2))
 FULL_GENERATE = GenerateSetup(prompts=32, prompt_len=16, max_new_tokens=32, repeats=3)
-QUICK_GENERATE = GenerateSetup(prompts=32, prompt_len=16, max_new_tokens=32, repeats=1)
+QUICK_GENERATE = GenerateSetup(prompts=8, prompt_len=16, max_new_tokens=8, repeats=1)
 
 
 @dataclass

@@ -54,7 +54,7 @@ directory under /tmp, or under `--dir` (put it on the file system the dumps woul
 
     python tools/bench_sync.py [--quick] [--reads] [--json FILE] [--dir DIR] [--model-dir DIR]
 
-`--quick` (about a minute on 2 CPU cores) runs the tiny model (a ~0.4 MB dump), two repeats: it checks the
+`--quick` (about a minute on 2 CPU cores) runs the tiny model (a ~0.4 MB dump), one round: it checks the
 harness only. `--reads` measures the reads of a dump alone (`sync.reads.*`, 9 rounds). `--json FILE` writes every figure under a stable key, e.g. `sync.ratio`, `sync.ours.checksum_s` or
 `sync.zero3.bucket_eighth.peak_extra_fraction`, `sync.lora.bytes_ratio` (`sync.ours.save_pretrained_s` is the shard writes: the name dates
 from when a dump called `save_pretrained`).
@@ -129,7 +129,7 @@ class Setup:
 
 
 FULL = Setup(size="100m", repeats=5)
-QUICK = Setup(size="tiny", repeats=2)
+QUICK = Setup(size="tiny", repeats=1)
 READS = Setup(size="100m", repeats=9)
 
 
@@ -821,7 +821,7 @@ def network_table(f: dict) -> str:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, two repeats (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, one round (under a minute)")
     parser.add_argument("--reads", action="store_true",
                         help="only the reads of a dump (the seal's checksums, the built-in server's load), ours vs "
                              "through a mapping: 100M model, 9 rounds")

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from huggingface_hub import constants
 
+from open_r1_ext.cli import main as cli_main
 from open_r1_ext.config.recipe import INSTALLS, load_recipe
 from open_r1_ext.launch import preflight as pf
 from open_r1_ext.protocol import SGLANG_VERSION
@@ -45,9 +46,10 @@ def sglang_spec(python) -> str:
 
 
 def test_a_server_interpreter_without_its_engine_is_refused_and_sglangs_version_is_said(tmp_path, tiny_model,
-                                                                                       sglang_python):
+                                                                                       sglang_python, capsys, monkeypatch):
     """One `validate --preflight` of two recipes: the bare venv's python cannot import sglang (refused, exit 1, the
-    fix named), the SGLang venv's says 0.5.23."""
+    fix named), the SGLang venv's says 0.5.23. In this process (`cli.main`): a CLI process would spend ~5 s of CPU
+    importing TRL again; the interpreters' imports are processes all the same."""
     python = bare_venv(tmp_path / "bare")
     recipes = []
     for name, interpreter in (("bare", python), ("sglang", sglang_python)):
@@ -57,16 +59,18 @@ def test_a_server_interpreter_without_its_engine_is_refused_and_sglangs_version_
         raw["servers"] = {"generation": yaml.safe_load(sglang_spec(interpreter).split("=", 1)[1]), "reference": "local"}
         path.write_text(yaml.safe_dump(raw))
         recipes.append(str(path))
-    result = cli("validate", "--preflight", *recipes)
-    assert result.returncode == 1, result.stderr
-    assert "Traceback" not in result.stderr
+    monkeypatch.chdir(REPO)  # where the user runs the command
+    code = cli_main(["validate", "--preflight", *recipes])
+    result = capsys.readouterr()
+    assert code == 1, result.err
+    assert "Traceback" not in result.err
     assert (f"{recipes[0]}: servers.generation.python: {python} cannot import sglang: ModuleNotFoundError: No module "
             f"named 'sglang': give servers.generation.python the python of a venv that has the sglang server "
-            f"({INSTALLS['sglang']})") in result.stderr.splitlines()
+            f"({INSTALLS['sglang']})") in result.err.splitlines()
     assert f".venv-sglang/bin/pip install sglang=={SGLANG_VERSION}" in INSTALLS["sglang"]  # the fix, as the README says
     assert (f"{recipes[1]}: servers.generation.python: ok: {sglang_python} imports sglang (sglang {SGLANG_VERSION})"
-            in result.stdout.splitlines()), result.stdout
-    assert not [line for line in result.stderr.splitlines() if line.startswith(f"{recipes[1]}: ") and ": warning: " not in line]
+            in result.out.splitlines()), result.out
+    assert not [line for line in result.err.splitlines() if line.startswith(f"{recipes[1]}: ") and ": warning: " not in line]
 
 
 def test_an_sglang_release_other_than_the_supported_one_is_refused(tmp_path, tiny_model):

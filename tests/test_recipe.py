@@ -194,12 +194,12 @@ def test_old_keys_say_what_replaced_them(tmp_path, tiny_recipe, override, key, m
     assert len(err.value.problems) == 1, err.value  # the old key alone, not also as an unknown one
 
 
-def test_validate_cli_exits_non_zero_naming_file_and_key(tmp_path, tiny_recipe):
+def test_validate_cli_exits_non_zero_naming_file_and_key(tmp_path, tiny_recipe, capsys):
+    """In this process (`cli.main`; the exit status of the command's process: test_validate_answers_each_broken_...)."""
     tiny_recipe["trainer"]["learning_rat"] = 1e-3
     path = write(tmp_path, tiny_recipe)
-    result = cli("validate", str(path))
-    assert result.returncode == 1
-    assert f"{path}: trainer.learning_rat: unknown key (did you mean 'learning_rate'?)" in result.stderr
+    assert cli_main(["validate", str(path)]) == 1
+    assert f"{path}: trainer.learning_rat: unknown key (did you mean 'learning_rate'?)" in capsys.readouterr().err
 
 
 def test_not_yaml_and_not_a_file(tmp_path):

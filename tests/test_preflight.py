@@ -245,19 +245,31 @@ def test_hub_ids_missing_from_the_cache_warn_and_are_refused_offline(tmp_path, t
         "on a login node first, then export HF_HUB_OFFLINE=1"]
 
 
-def test_the_launchers_submit_nothing_when_the_preflight_refuses(tmp_path, tiny_model, fake_slurm):
+def test_the_launchers_submit_nothing_when_the_preflight_refuses(tmp_path, tiny_model, fake_slurm, capsys,
+                                                                 monkeypatch):
     """`bash slurm/grpo.slurm` (a stand-in sbatch first on PATH, which must not be called) and `open-r1-ext launch`
     (local executor, and --dry-run) with a report_to integration that is not installed: exit 2, the line, nothing
-    submitted, no run directory."""
+    submitted, no run directory. `--dry-run`, which submits nothing either way, runs in this process (`cli.main`): a
+    CLI process would spend ~5 s of CPU importing TRL again."""
     calls = fake_slurm()
     run_dir = tmp_path / "run"
     overrides = ["--set", f"model.name_or_path={tiny_model}", "--set", f"trainer.output_dir={run_dir}",
                  "--set", "trainer.report_to=[wandb]"]
-    for command in (["bash", "slurm/grpo.slurm"], [sys.executable, "-m", "open_r1_ext.cli", "launch", "--executor", "local"],
-                    [sys.executable, "-m", "open_r1_ext.cli", "launch", "--dry-run"]):
+
+    def as_a_process(*command: str) -> tuple[int, str]:
         result = run_script(*command, RECIPE, *overrides, timeout=300)
-        assert result.returncode == 2, (command, result.stdout, result.stderr)
-        assert f"{RECIPE}: trainer.report_to: wandb cannot be used in " in result.stderr
-        assert "nothing submitted: fix the errors above" in result.stderr
+        return result.returncode, result.stderr
+
+    def in_this_process(*args: str) -> tuple[int, str]:
+        monkeypatch.chdir(REPO)
+        return cli_main([*args, RECIPE, *overrides]), capsys.readouterr().err
+
+    for run, command in ((as_a_process, ["bash", "slurm/grpo.slurm"]),
+                         (as_a_process, [sys.executable, "-m", "open_r1_ext.cli", "launch", "--executor", "local"]),
+                         (in_this_process, ["launch", "--dry-run"])):
+        code, stderr = run(*command)
+        assert code == 2, (command, stderr)
+        assert f"{RECIPE}: trainer.report_to: wandb cannot be used in " in stderr
+        assert "nothing submitted: fix the errors above" in stderr
         assert "sbatch" not in (calls.read_text() if calls.exists() else "")
         assert not run_dir.exists()

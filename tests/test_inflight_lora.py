@@ -32,11 +32,12 @@ def test_in_flight_lora_continues_the_completions_under_way_with_the_new_adapter
 
 def check_in_flight_lora(tiny_model, url: str, tmp_path) -> None:
     """4 prompts in flight, 2 a step: the long first group of each batch is under way at the syncs, which load the
-    step's adapter and abort it; it continues under the new adapter, spanning versions within the bound. Each group
-    trains once, the server ends with the last two adapters (also run on real SGLang: test_real_sglang_training.py)."""
+    step's adapter and abort it; it continues under the new adapter, spanning versions within the bound (2). Each
+    group trains once, the server ends with the last two adapters (also run on real SGLang:
+    test_real_sglang_training.py)."""
     trainer = lora_trainer(tiny_model, tmp_path, url, max_steps=3, per_device_train_batch_size=8, num_generations=4,
                            max_completion_length=256, async_generation=True, in_flight_updates=True,
-                           max_weight_staleness=1, max_prompts_in_flight=4, beta=0.0,
+                           max_weight_staleness=2, max_prompts_in_flight=4, beta=0.0,
                            generation_kwargs={"ignore_eos": True})
     assert isinstance(trainer.remote_generation, InFlightGeneration) and trainer.weight_sync.adapter_only
     shape_groups(trainer)
@@ -46,8 +47,10 @@ def check_in_flight_lora(tiny_model, url: str, tmp_path) -> None:
     assert [e["step"] for e in trained] == [1, 1, 2, 2, 3, 3]
     assert max(trained_positions(log).values()) == 1  # each group trained once
     assert all(e["staleness"] == e["step"] - 1 - min(e["versions"]) for e in log)  # from the oldest token
-    assert all(e["staleness"] <= 1 for e in trained), trained
-    assert any(len(e["versions"]) > 1 for e in log), log  # continued under a newer adapter
+    assert all(e["staleness"] <= 2 for e in trained), trained
+    # a long group under way at a sync continued under the new adapter (the built-in server loads it between two
+    # decode steps, as SGLang between batches), not after it ended
+    assert any(len(e["versions"]) > 1 for e in trained if e["group"][1] == 0), log
     syncs = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
     assert [e["weight_version"] for e in syncs] == ["1", "2", "3"]
     assert loaded_adapters(SGLangClient(url)) == ["policy-v2", "policy-v3"]

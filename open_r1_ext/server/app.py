@@ -455,7 +455,9 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(obj: LoadLoRAAdapterReqInput) -> JSONResponse:
-        """As SGLang: a name already served is refused; the adapter directory must lie below --weight-dirs."""
+        """As SGLang: a name already served is refused; the adapter directory must lie below --weight-dirs. Loaded
+        between two decode steps, as SGLang's scheduler loads one between batches (`scheduler.py` ~6052): the requests
+        under way go on with the adapters they named."""
         if engine.lora is None:
             return lora_answer(LORA_DISABLED)
         name = obj.lora_name
@@ -464,7 +466,7 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         lora_names_busy.add(name)
         try:
             path = _allowed(obj.lora_path, weight_dirs, "lora_path")
-            adapter = await asyncio.wrap_future(batcher.call_exclusive(lambda: engine.load_adapter(path)))
+            adapter = await asyncio.wrap_future(batcher.call_between_steps(lambda: engine.load_adapter(path)))
         except (WeightFileError, OSError) as err:
             logger.warning("LoRA adapter %s from %s refused: %s", name, obj.lora_path, err)
             return lora_answer(f"Failed to load LoRA adapter {name}: {err}")

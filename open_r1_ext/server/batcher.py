@@ -119,7 +119,8 @@ class Batcher:
         return self.submit("call", fn)
 
     def call_between_steps(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` on the worker thread between two decode steps (work that reads the weights and changes nothing)."""
+        """Run `fn` on the worker thread between two decode steps (work that changes nothing the sequences under way
+        use: a read of the weights, a LoRA adapter loaded beside theirs)."""
         return self.submit("read", fn)
 
     def pause(self, mode: str) -> Future:

@@ -31,7 +31,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from accelerate.utils import gather_object
@@ -200,6 +200,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
             done.put(group)
 
     def _sample_group(self, group: Group, seeds: list[int], extra: dict) -> list[Completion]:
+        """Full-weight sync: the group's completions, the request sent again whole if the server aborted it."""
         for attempt in range(ABORT_RETRIES + 1):
             (completions,) = self.client.generate([group.prompt_ids], group.sampling, n=len(seeds), seeds=seeds,
                                                   keep_aborted=True, **extra)
@@ -272,16 +273,18 @@ class InFlightGeneration(AsyncRemoteGeneration):
             self.last_push = None
 
     def _push_logged(self, path: Path, step: int) -> None:
-        """Update thread: pause every generation server (retract), reload `path`, continue. A newer dump queued behind
-        makes this one pointless: skipped. A failure is kept for `_wait_for_weights` to report."""
+        """Update thread: pause every generation server (retract), reload `path`, continue; an adapter is loaded
+        beside the one in use, then the requests under way aborted (see the module docstring). A newer dump queued
+        behind makes this one pointless: skipped. A failure is kept for `_wait_for_weights` to report."""
         if step < self._newest_dump:
             return
         timer = self.trainer.step_timer
         try:
-            if self.target.adapter:  # loaded beside the adapter in use; the requests under way continue with it
+            if self.target.adapter:  # loaded beside the adapter in use, the requests under way going on meanwhile
                 with timer.part("reload"):
-                    self.weight_sync.push_and_confirm([self.target], path, step)
-                self._abort_in_flight(f"continuing the completions under way with the adapter of step {step}")
+                    self.weight_sync.push_and_confirm([self.target], path, step, retire=False)
+                self._abort_in_flight(f"to continue them with the adapter of step {step}",
+                                      lambda: self.weight_sync.retire_adapters(self.target))
             else:
                 with timer.part("paused"), self._servers_paused(), timer.part("reload"):  # standing still meanwhile
                     self.weight_sync.push_and_confirm([self.target], path, step)
@@ -290,21 +293,26 @@ class InFlightGeneration(AsyncRemoteGeneration):
             self._update_error = f"weight sync of step {step} failed: {err}"
             logger.warning("%s", self._update_error)
 
-    def _abort_in_flight(self, why: str) -> None:
+    def _abort_in_flight(self, why: str, while_paused: Optional[Callable[[], None]] = None) -> None:
         """Main process: abort every request the generation servers have under way (each answers with its partial
-        output). One the servers do not abort (an error, logged) ends as it was sent."""
+        output; the client sends other requests again whole, e.g. the reference's on a LoRA server, which serves its
+        base model), and run `while_paused` before they continue: the old adapters unloaded then wait for no request
+        (the built-in server's unload waits for all its sampling under way). One the servers do not abort (an error,
+        logged) ends as it was sent."""
         try:
-            self.target.client.pause_generation("abort")
-            self.target.client.continue_generation()
+            with self._servers_paused("abort"):
+                if while_paused is not None:
+                    while_paused()
         except ServerError as err:
-            logger.warning("could not abort the generation in flight (%s): %s", why, err)
+            logger.warning("could not abort the generation in flight %s: %s", why, err)
 
     @contextlib.contextmanager
-    def _servers_paused(self) -> Iterator[None]:
-        """Main process, around a weight update: every generation server paused (`PAUSE_MODE`: the requests under way
-        keep their tokens and go on with the new weights), and continued after the block, also when it failed."""
+    def _servers_paused(self, mode: str = PAUSE_MODE) -> Iterator[None]:
+        """Main process, around a weight update: every generation server paused (`mode`; `PAUSE_MODE`: the requests
+        under way keep their tokens and go on with the new weights), and continued after the block, also when it
+        failed."""
         client = self.target.client
-        client.pause_generation(PAUSE_MODE)
+        client.pause_generation(mode)
         try:
             yield
         finally:
@@ -429,7 +437,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
         """End of `train()`: the requests still in flight are aborted (main process) and the threads stopped."""
         self.closing = True
         if self._batches is not None and self._batches.running and self.trainer.accelerator.is_main_process:
-            self._abort_in_flight("the end of training")
+            self._abort_in_flight("at the end of training")
         if self._senders is not None:
             self._senders.shutdown(wait=True, cancel_futures=True)
         self._senders, self._batches, self._formed = None, None, None

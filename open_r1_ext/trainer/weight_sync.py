@@ -476,13 +476,14 @@ class WeightSync:
         return box[0]
 
     # -------------------------------------------------------------- main only
-    def push_all(self, targets: list[SyncTarget], path: Path, step: int) -> None:
+    def push_all(self, targets: list[SyncTarget], path: Path, step: int, retire: bool = True) -> None:
         for target in targets:
-            self.push(target, path, target.version_for(step))
+            self.push(target, path, target.version_for(step), retire)
 
-    def push_and_confirm(self, targets: list[SyncTarget], path: Path, step: int) -> None:
-        """Main process, possibly on the rollout thread: push, then record (raises `WeightSyncError`)."""
-        self.push_all(targets, path, step)
+    def push_and_confirm(self, targets: list[SyncTarget], path: Path, step: int, retire: bool = True) -> None:
+        """Main process, possibly on the rollout thread: push, then record (raises `WeightSyncError`). `retire`: see
+        `push`."""
+        self.push_all(targets, path, step, retire)
         self.confirm(targets, path, step)
 
     def confirm(self, targets: list[SyncTarget], path: Optional[Path], step: int) -> None:
@@ -513,16 +514,19 @@ class WeightSync:
         self._pending.append(future)
         return future
 
-    def push(self, target: SyncTarget, path: Path, version: str) -> None:
+    def push(self, target: SyncTarget, path: Path, version: str, retire: bool = True) -> None:
         """Have `target` reload `path` and confirm `version`, else `WeightSyncError`. Retried only while the server
         answers (a refusal, another version); a server that does not answer has had the client's whole retry budget
-        (`sglang_client.DEFAULT_MAX_RETRIES`), which is not spent again here."""
+        (`sglang_client.DEFAULT_MAX_RETRIES`), which is not spent again here. A target of adapters then unloads the
+        ones beyond its newest `keep_adapters` (`retire_adapters`), unless not `retire` (the caller does it)."""
         load = self._load_adapter if target.adapter else self._load_weights
         last = None
         for attempt in range(1, self.reload_attempts + 1):
             try:
                 last = load(target, path, version)
                 if last is None:
+                    if target.adapter and retire:
+                        self.retire_adapters(target)
                     return
             except ServerRequestError as err:
                 last = str(err)
@@ -543,13 +547,17 @@ class WeightSync:
     @staticmethod
     def _load_adapter(target: SyncTarget, path: Path, version: str) -> None:
         """`/load_lora_adapter` of `path` under `adapter_name(version)`, after unloading that name (left loaded when
-        a stopped run resumes at that step with the server still up: SGLang refuses a name twice); then the names
-        beyond the newest `keep_adapters` are unloaded (SGLang lets their requests in flight finish first)."""
+        a stopped run resumes at that step with the server still up: SGLang refuses a name twice)."""
         name = adapter_name(version)
         with contextlib.suppress(ServerRequestError):  # not loaded: the usual case
             target.client.unload_lora_adapter(name)
         target.client.load_lora_adapter(name, str(path.resolve()))
         target.loaded = [n for n in target.loaded if n != name] + [name]
+
+    @staticmethod
+    def retire_adapters(target: SyncTarget) -> None:
+        """Main process: unload the adapters beyond the newest `keep_adapters` (SGLang lets their requests in flight
+        finish first, the built-in server all its sampling under way)."""
         while len(target.loaded) > target.keep_adapters:
             old = target.loaded.pop(0)
             try:

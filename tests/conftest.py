@@ -15,7 +15,7 @@ from tools.make_tiny_model import make_tiny_model
 
 from open_r1_ext.launch.local_server import BuiltinServer, SGLangServer, free_port
 from open_r1_ext.sglang_client import SGLangClient
-from tests.helpers import restore_default_weights
+from tests.helpers import LORA_FLAGS, restore_default_weights
 from tests.slurm_helpers import REPO, TinyRun, fake_slurm_commands
 
 # One torch thread per process: the tests run trainers and servers side by side on 2 cores, and OpenMP pools that
@@ -45,6 +45,16 @@ def server(tiny_model, tmp_path_factory):
     (`--enable-deterministic-inference`)."""
     log = tmp_path_factory.mktemp("server-log") / "server.log"
     with BuiltinServer(str(tiny_model), log_path=str(log), deterministic=True) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def lora_builtin_server(tiny_model, tmp_path_factory):
+    """A built-in server for adapter-only LoRA runs, one per pytest process (tests/test_lora.py and
+    tests/test_inflight_lora.py, through test_lora's `lora_server`, which unloads a test's adapters afterwards):
+    generation with the adapters and the reference with its base model (no `/ref` slot)."""
+    log = tmp_path_factory.mktemp("lora-server") / "server.log"
+    with BuiltinServer(str(tiny_model), log_path=str(log), extra_args=("--no-ref-slot", *LORA_FLAGS)) as srv:
         yield srv
 
 

@@ -27,6 +27,7 @@ from open_r1_ext.sglang_client import SGLangClient
 from tools.bench_common import arithmetic_prompts
 
 REPO = Path(__file__).resolve().parents[1]
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "all")  # a server for the tests' rank-4 adapters
 
 
 def tiny_recipe(tmp_path: Path, tiny_model: Path, **trainer) -> Path:

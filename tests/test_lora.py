@@ -20,7 +20,7 @@ from open_r1_ext.protocol import sampling_params
 from open_r1_ext.sglang_client import ServerRequestError, SGLangClient
 from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE, WeightSync
 from open_r1_ext.weight_files import MANIFEST, check_manifest, read_weight_dir
-from tests.helpers import loaded_adapters, reward_len, tiny_config, tiny_dataset, unload_adapters
+from tests.helpers import LORA_FLAGS, loaded_adapters, reward_len, tiny_config, tiny_dataset, unload_adapters
 from tests.test_zero3 import launch
 
 
@@ -36,23 +36,15 @@ def trained_lora(model_path: Path, **config) -> peft.PeftModel:
     return model.eval()
 
 
-LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "all")
 PROMPT = [1, 5, 9, 20, 3, 7, 11]
 
 
-@pytest.fixture(scope="module")
-def lora_built_in(tiny_model, tmp_path_factory):
-    """One built-in server for generation (adapters) and the reference (its base model): no `/ref` slot."""
-    log = tmp_path_factory.mktemp("lora-server") / "server.log"
-    with BuiltinServer(str(tiny_model), log_path=str(log), extra_args=("--no-ref-slot", *LORA_FLAGS)) as server:
-        yield server
-
-
 @pytest.fixture()
-def lora_server(lora_built_in):
-    """The module's server, without the adapters a test loaded, afterwards (a run keeps its newest ones loaded)."""
-    yield lora_built_in
-    unload_adapters(lora_built_in.url)
+def lora_server(lora_builtin_server):
+    """The LoRA server the modules share, without the adapters a test loaded, afterwards (a run keeps its newest ones
+    loaded)."""
+    yield lora_builtin_server
+    unload_adapters(lora_builtin_server.url)
 
 
 class ServerMatchesPolicy(TrainerCallback):

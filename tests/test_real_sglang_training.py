@@ -31,10 +31,10 @@ from open_r1_ext.openai_client import OpenAICompletionsClient, ServerAbilities
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE
 from open_r1_ext.weight_files import MANIFEST
-from tests.helpers import (KillServerAt, forward_logprobs, read_jsonl, restore_default_weights, reward_len, served,
+from tests.helpers import (LORA_FLAGS, KillServerAt, forward_logprobs, read_jsonl, restore_default_weights, reward_len, served,
                            synced, tiny_config, tiny_dataset, unload_adapters)
 from tests.test_inflight_lora import check_in_flight_lora
-from tests.test_lora import LORA_FLAGS, ServerMatchesPolicy, lora_trainer
+from tests.test_lora import ServerMatchesPolicy, lora_trainer
 
 
 def logged(trainer, key):

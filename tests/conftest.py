@@ -1,9 +1,11 @@
 """Shared fixtures: tiny models built locally (no download), built-in and real SGLang server processes on free ports,
 the local SLURM cluster and a tiny run on it."""
 
+import hashlib
 import os
 import signal
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -25,6 +27,12 @@ from tests.slurm_helpers import REPO, TinyRun, fake_slurm_commands
 # (test_server's thread-count test relies on that).
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
+# DeepSpeed builds its CPU communication op (~45 s of CPU) into TORCH_EXTENSIONS_DIR, by default one directory for
+# every venv of this user: its build files name the venv, so a checkout's tests and a fresh clone's, run side by side,
+# rebuilt it at each switch while the other trainers waited on its lock (69 s seen). One directory per venv; children
+# (trainer processes, SLURM jobs) inherit it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions" /
+                                                  hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]))
 
 
 @pytest.fixture(scope="session")

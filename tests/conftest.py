@@ -59,8 +59,8 @@ def server(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def lora_builtin_server(tiny_model, tmp_path_factory):
     """A built-in server for adapter-only LoRA runs, one per pytest process (tests/test_lora.py and
-    tests/test_inflight_lora.py, through test_lora's `lora_server`, which unloads a test's adapters afterwards):
-    generation with the adapters and the reference with its base model (no `/ref` slot)."""
+    tests/test_inflight_lora.py, one xdist group, through test_lora's `lora_server`, which unloads a test's adapters
+    afterwards): generation with the adapters and the reference with its base model (no `/ref` slot)."""
     log = tmp_path_factory.mktemp("lora-server") / "server.log"
     with BuiltinServer(str(tiny_model), log_path=str(log), extra_args=("--no-ref-slot", *LORA_FLAGS)) as srv:
         yield srv

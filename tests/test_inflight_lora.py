@@ -10,7 +10,8 @@ from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.trainer.inflight import InFlightGeneration, continued
 from tests.helpers import loaded_adapters
 from tests.test_inflight import rollouts, shape_groups, trained_positions
-from tests.test_lora import lora_server, lora_trainer  # noqa: F401 - the LoRA server test_lora shares
+# test_lora's LoRA server and its xdist group (on one worker with test_lora, which starts the server once)
+from tests.test_lora import lora_server, lora_trainer, pytestmark  # noqa: F401
 
 
 def test_an_aborted_completion_continued_keeps_the_version_of_each_token():

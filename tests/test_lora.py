@@ -37,6 +37,8 @@ def trained_lora(model_path: Path, **config) -> peft.PeftModel:
 
 
 PROMPT = [1, 5, 9, 20, 3, 7, 11]
+# with tests/test_inflight_lora.py on one pytest-xdist worker, which starts their LoRA server once (lora_builtin_server)
+pytestmark = pytest.mark.xdist_group("lora-server")
 
 
 @pytest.fixture()

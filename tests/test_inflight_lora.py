@@ -9,9 +9,12 @@ from open_r1_ext.protocol import Completion
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.trainer.inflight import InFlightGeneration, continued
 from tests.helpers import loaded_adapters
+from tests import test_lora
 from tests.test_inflight import rollouts, shape_groups, trained_positions
-# test_lora's LoRA server and its xdist group (on one worker with test_lora, which starts the server once)
-from tests.test_lora import lora_server, lora_trainer, pytestmark  # noqa: F401
+from tests.test_lora import lora_trainer
+
+pytestmark = test_lora.pytestmark  # test_lora's xdist group: on its worker, which starts the LoRA server once
+lora_server = test_lora.lora_server  # its fixture: the shared LoRA server, without a test's adapters afterwards
 
 
 def test_an_aborted_completion_continued_keeps_the_version_of_each_token():

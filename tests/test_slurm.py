@@ -95,7 +95,8 @@ def test_sglang_on_the_cpu_runs_under_its_own_python(tiny_model, tmp_path, monke
     plan = tiny_plan(tiny_model, f"servers.generation={spec}", f"servers.reference={spec}", "model.use_peft=true",
                      "trainer.output_dir=/runs/x")
     serve = shell_join(plan.server_command("server", 0, "node-1"))
-    assert serve == (f"env SGLANG_USE_CPU_ENGINE=1 {venv}/python -m sglang.launch_server --model-path {tiny_model} "
+    assert serve == (f"env SGLANG_USE_CPU_ENGINE=1 SGLANG_PYSPY_DUMP_BEFORE_CRASH=0 SGLANG_CUDA_COREDUMP_BEFORE_CRASH=0 "
+                     f"{venv}/python -m sglang.launch_server --model-path {tiny_model} "
                      "--host 0.0.0.0 --port 30000 --tp-size 1 --dp-size 1 --device cpu --attention-backend torch_native "
                      "--max-total-tokens 8192 --sleep-on-idle --lora-backend torch_native --enable-lora --max-lora-rank 16 "
                      "--lora-target-modules all --config /runs/x/api_key.yaml")

@@ -305,7 +305,7 @@ def server_command(recipe: Recipe, role: str, port: int, host: str = "0.0.0.0", 
     """The command line of the recipe's server for `role` (`generation` or `reference`), either engine: what each
     node of a server job runs (`SlurmPlan.server_command`) and what `open-r1-ext train` embeds. `head` is the first
     of the job's `nodes` (SGLang's rendezvous); `local_args` go before the spec's `extra_args`, which come last (a
-    flag given twice: the last wins). SGLang on the CPU runs under `env SGLANG_USE_CPU_ENGINE=1`."""
+    flag given twice: the last wins). SGLang on the CPU runs under `env SGLANG_USE_CPU_ENGINE=1 ...` (`SGLANG_CPU_ENV`)."""
     server = recipe.servers.specs()[role]
     python = server.interpreter()  # a path: made absolute here, a bare name: found on the job's PATH
     lora = recipe.model.lora_server_flags() if role == "generation" else []  # model.use_peft: dynamic LoRA

@@ -17,7 +17,7 @@ from tools.make_tiny_model import make_tiny_model
 
 from open_r1_ext.launch.local_server import BuiltinServer, SGLangServer, free_port
 from open_r1_ext.sglang_client import SGLangClient
-from tests.helpers import LORA_FLAGS, restore_default_weights
+from tests.helpers import LORA_FLAGS, SGLANG_FLOAT32, restore_default_weights
 from tests.slurm_helpers import REPO, TinyRun, fake_slurm_commands
 
 # One torch thread per process: the tests run trainers and servers side by side on 2 cores, and OpenMP pools that
@@ -85,7 +85,7 @@ def sglang_server(tiny_model, sglang_python, tmp_path_factory):
     deterministic mode (`--enable-deterministic-inference` needs a GPU attention backend), so it ignores
     `sampling_seed`; `--random-seed 0` makes a fresh server's sequence of samples repeatable."""
     log = tmp_path_factory.mktemp("sglang-log") / "sglang.log"
-    with SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=("--random-seed", "0")) as srv:
+    with SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=(*SGLANG_FLOAT32, "--random-seed", "0")) as srv:
         yield srv
 
 
@@ -95,7 +95,7 @@ def shared_sglang(tiny_model, sglang_python, tmp_path_factory):
     costs ~20 s of the suite, so the modules share it. A test that reloads its weights puts the start-up weights back
     (`helpers.restore_default_weights`); nothing may rely on the order of its samples (it serves many tests)."""
     log = tmp_path_factory.mktemp("shared-sglang-log") / "sglang.log"
-    with SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=("--random-seed", "0")) as srv:
+    with SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=(*SGLANG_FLOAT32, "--random-seed", "0")) as srv:
         yield srv
 
 

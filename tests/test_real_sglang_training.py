@@ -14,7 +14,9 @@ test that changed them.
   `/update_weights_from_disk`.
 
 SGLang's CPU backend has no deterministic mode, so nothing here depends on seeded samples; its log-probs are compared
-with a local float32 forward within 2e-3 (its KV cache is float16 on the CPU, and its kernels sum in another order).
+with a local float32 forward within 2e-3. Both servers run in float32 (`SGLANG_FLOAT32`; SGLang's auto dtype served
+the float32 tiny model in float16, 2.2e-3 off once): 5e-7 off at the start-up weights, its kernels summing in
+another order.
 A server start costs 20-60 s here: the module starts two.
 """
 
@@ -31,7 +33,7 @@ from open_r1_ext.openai_client import OpenAICompletionsClient, ServerAbilities
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.trainer.weight_sync import ADAPTER_CONFIG, ADAPTER_FILE
 from open_r1_ext.weight_files import MANIFEST
-from tests.helpers import (LORA_FLAGS, KillServerAt, forward_logprobs, read_jsonl, restore_default_weights, reward_len, served,
+from tests.helpers import (LORA_FLAGS, SGLANG_FLOAT32, KillServerAt, forward_logprobs, read_jsonl, restore_default_weights, reward_len, served,
                            synced, tiny_config, tiny_dataset, unload_adapters)
 from tests.test_inflight_lora import check_in_flight_lora
 from tests.test_lora import ServerMatchesPolicy, lora_trainer
@@ -140,7 +142,7 @@ def lora_sglang(tiny_model, sglang_python, tmp_path_factory):
     layer), launched as the module starts, so that it starts beside `sglang_server`. A test that replaces it (killed
     and restarted) puts the new one in the dict; what is there is stopped at the end."""
     log = tmp_path_factory.mktemp("sglang-b") / "b.log"
-    servers = {"b": SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=LORA_FLAGS)}
+    servers = {"b": SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=(*SGLANG_FLOAT32, *LORA_FLAGS))}
     try:
         servers["b"].launch()
         yield servers

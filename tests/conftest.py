@@ -1,7 +1,6 @@
 """Shared fixtures: tiny models built locally (no download), built-in and real SGLang server processes on free ports,
 the local SLURM cluster and a tiny run on it."""
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -29,10 +28,9 @@ torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 # DeepSpeed builds its CPU communication op (~45 s of CPU) into TORCH_EXTENSIONS_DIR, by default one directory for
 # every venv of this user: its build files name the venv, so a checkout's tests and a fresh clone's, run side by side,
-# rebuilt it at each switch while the other trainers waited on its lock (69 s seen). One directory per venv; children
-# (trainer processes, SLURM jobs) inherit it.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions" /
-                                                  hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]))
+# rebuilt it at each switch while the other trainers waited on its lock (69 s seen). Here it is the venv's own
+# torch_extensions/, where `make venv` builds the op once; children (trainer processes, SLURM jobs) inherit it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 @pytest.fixture(scope="session")

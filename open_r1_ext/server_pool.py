@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.sglang_client import (BUSY, DEFAULT_BACKOFF_FACTOR, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_REQUEST_TIMEOUT,
-                                       DOWN, HEALTHY, AbortedRequestError, ServerError, ServerRequestError,
+                                       DEFAULT_SERVER_WAIT_TIMEOUT, DOWN, HEALTHY, AbortedRequestError, ServerError, ServerRequestError,
                                        SGLangClient)
 from open_r1_ext.wait_progress import WaitProgress
 
@@ -122,7 +122,7 @@ class ServerPool:
         directory: Optional[str] = None,
         route: str = "",
         min_replicas: int = 1,
-        wait_timeout: float = 900.0,
+        wait_timeout: float = DEFAULT_SERVER_WAIT_TIMEOUT,
         role: str = "generation",
         replica_max_retries: int = REPLICA_MAX_RETRIES,
         api_key: Optional[str] = None,

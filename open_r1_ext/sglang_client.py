@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 # Callers do not add attempts of their own on top (a reload is retried only when the server answered).
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one HTTP call (a server that accepts and then hangs: this, per try)
 DEFAULT_MAX_RETRIES = 8
+DEFAULT_SERVER_WAIT_TIMEOUT = 900.0  # seconds a trainer waits for its servers at start-up (`server_wait_timeout`)
 DEFAULT_BACKOFF_FACTOR = 0.5
 BACKOFF_MAX_S = 30.0  # the longest wait between two tries
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection (of the request timeout)

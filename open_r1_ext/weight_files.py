@@ -45,6 +45,11 @@ READ_CHUNK = 4 << 20  # bytes a checksum reads at a time into one reused buffer 
 REMEMBERED_CHECKSUMS = 4096  # files whose checksum one process remembers while they do not change
 
 
+def default_sync_dir(output_dir: str) -> str:
+    """Where a run's weight dumps go unless `sync_dir` says otherwise."""
+    return f"{output_dir}/weights"
+
+
 class WeightFileError(ValueError):
     """A weight directory that cannot be loaded; the message names the directory and the problem."""
 

@@ -11,9 +11,10 @@ from typing import Optional, Union
 from trl import GRPOConfig
 
 from open_r1_ext.protocol import completions_field, sampling_range_problems
-from open_r1_ext.sglang_client import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT, sampling_kwargs
+from open_r1_ext.sglang_client import (DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RETRIES, DEFAULT_REQUEST_TIMEOUT,
+                                       DEFAULT_SERVER_WAIT_TIMEOUT, sampling_kwargs)
 from open_r1_ext.weight_broadcast import BACKENDS, DEFAULT_TIMEOUT_S
-from open_r1_ext.weight_files import DEFAULT_BUCKET_MB
+from open_r1_ext.weight_files import DEFAULT_BUCKET_MB, default_sync_dir
 
 GENERATION_BACKENDS = ("sglang", "openai")
 TRANSPORTS = ("disk", "distributed")
@@ -274,7 +275,7 @@ class RemoteGRPOConfig(GRPOConfig):
         default=DEFAULT_MAX_RETRIES, metadata={"help": "Retries on connection errors and HTTP 5xx, with exponential back-off."}
     )
     server_wait_timeout: float = field(
-        default=900.0, metadata={"help": "Seconds to wait at start-up for the servers to become healthy."}
+        default=DEFAULT_SERVER_WAIT_TIMEOUT, metadata={"help": "Seconds to wait at start-up for the servers to become healthy."}
     )
     max_batch_tokens: int = field(
         default=DEFAULT_MAX_BATCH_TOKENS, metadata={"help": "Token budget of one request; larger batches are split and sent concurrently."}
@@ -447,7 +448,7 @@ class RemoteGRPOConfig(GRPOConfig):
         if self.ref_model_sync_steps is not None and self.ref_model_sync_steps < 1:
             raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps}: must be >= 1")
         if self.sync_dir is None:
-            self.sync_dir = f"{self.output_dir}/weights"
+            self.sync_dir = default_sync_dir(self.output_dir)
         if self.async_generation:
             if not self.generation_on_server:
                 raise ValueError("async_generation=True needs generation_url: it overlaps remote generation with training")

@@ -28,6 +28,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
 from open_r1_ext.config.data_files import LOCAL_FORMATS, local_columns
 from open_r1_ext.protocol import (DTYPE_NAMES, SGLANG_LORA_TARGET_MODULES, SGLANG_VERSION, max_req_input_len,
                                   sampling_range_problems)
+from open_r1_ext.weight_files import default_sync_dir
 
 DType = Literal[DTYPE_NAMES]
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -320,8 +321,7 @@ class Recipe(Section):
     def sync_dir(self) -> str:
         """Where the trainer writes its weight dumps (the config's `sync_dir`, default `<output_dir>/weights`), as an
         absolute path from the directory launched in: what servers are allowed to reload (`--weight-dirs`)."""
-        placeholder = "http://placeholder:0"  # the config wants server URLs; only its sync_dir is read here
-        return str(Path(self.trainer_config(placeholder, placeholder, on_this_machine=False).sync_dir).resolve())
+        return str(Path(self.sync.get("sync_dir") or default_sync_dir(self.output_dir)).resolve())
 
     def model_path(self, spec: ServerSpec) -> str:
         """What a server loads: its spec's `model_path`, else the policy."""
@@ -394,8 +394,12 @@ REPLACED = {
 
 
 # ------------------------------------------------------------------------------------------ loading
-def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None, check_paths: bool = True) -> Recipe:
-    """Read, override and validate a recipe; raise `RecipeError` naming every problem."""
+def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None, check_paths: bool = True,
+                checked: bool = True) -> Recipe:
+    """Read, override and validate a recipe; raise `RecipeError` naming every problem. `checked=False` is for the job
+    steps of a run whose submission checked it (`launch.jobs`): the recipe's own sections are validated, but not
+    `trainer:` and `sync:` against `RemoteGRPOConfig` nor the checks across sections, which import TRL and torch
+    (~4.5 s of CPU at every job and node start); the trainer checks them all again when it starts."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(path, [("(file)", "a directory, not a recipe file" if path.is_dir() else "no such file")])
@@ -410,10 +414,11 @@ def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None, c
     for item in overrides or []:
         _apply_override(raw, item, problems)
     _replaced_keys(raw, problems)
-    recipe = _build_recipe(raw, problems)
+    recipe = _build_recipe(raw, problems, checked)
     if recipe is not None:
         recipe._path = str(path)
-        _check_recipe(recipe, problems, check_paths)
+        if checked:
+            _check_recipe(recipe, problems, check_paths)
     if problems:
         raise RecipeError(path, problems)
     return recipe  # type: ignore[return-value]
@@ -484,7 +489,7 @@ def _replaced_keys(raw: dict, problems: list) -> None:
         problems.append(("slurm.server", REPLACED["slurm.server"]))
 
 
-def _build_recipe(raw: dict, problems: list) -> Optional[Recipe]:
+def _build_recipe(raw: dict, problems: list, checked: bool) -> Optional[Recipe]:
     recipe = None
     for section in ("trainer", "sync"):
         for key, value in (raw.get(section) if isinstance(raw.get(section), dict) else {}).items():
@@ -494,7 +499,7 @@ def _build_recipe(raw: dict, problems: list) -> Optional[Recipe]:
         recipe = Recipe.model_validate(raw)
     except ValidationError as err:
         problems += _problems(err, Recipe)
-    for section in ("trainer", "sync"):
+    for section in ("trainer", "sync") if checked else ():
         if isinstance(raw.get(section), dict):
             try:
                 _config_sections()[section].model_validate(raw[section])

@@ -772,7 +772,8 @@ def main(cli_args: Optional[list[str]] = None) -> int:
                              help="the port the server job took on its first node, or the trainer job's rendezvous port")
     args = parser.parse_args(cli_args)
     try:
-        plan = SlurmPlan(load_recipe(args.recipe, args.set), args.set)
+        # the submission checks the recipe whole; its jobs read what was checked (the trainer checks it again)
+        plan = SlurmPlan(load_recipe(args.recipe, args.set, checked=args.job == "submit"), args.set)
         if args.job == "submit":  # slurm/grpo.slurm: the preflight first, nothing submitted on an error
             return 2 if launch_refused(plan.recipe) else submit_run(plan)
         ctx = JobContext.from_slurm_env()

@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Union
 from open_r1_ext.config.recipe import Recipe, Resources, ServerSpec
 from open_r1_ext.launch.local_server import SGLANG_CPU_ENV, sglang_cpu_args
 from open_r1_ext.launch.run_key import key_file
+from open_r1_ext.sglang_client import DEFAULT_SERVER_WAIT_TIMEOUT
 
 SERVER, REF_SERVER, TRAINER = "server", "ref-server", "trainer"
 SERVER_ROLES = {SERVER: "generation", REF_SERVER: "reference"}  # a server job's role in the recipe's `servers:`
@@ -181,8 +182,9 @@ class SlurmPlan:
 
     @property
     def server_wait_s(self) -> float:
-        """How long a trainer waits for its servers: the recipe's `trainer.server_wait_timeout`."""
-        return float(self.recipe.setting("server_wait_timeout"))
+        """How long a trainer waits for its servers: the recipe's `trainer.server_wait_timeout` (read without the
+        config's defaults, which import TRL: a job step's recipe is loaded unchecked, `load_recipe(checked=False)`)."""
+        return float(self.recipe.trainer.get("server_wait_timeout", DEFAULT_SERVER_WAIT_TIMEOUT))
 
     def _extra_sbatch(self) -> list[str]:
         options = []

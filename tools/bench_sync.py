@@ -39,7 +39,8 @@ process on the same files to split it; the seal's checksums and fsync), with the
 the dump and what-if ratios (the checksums, or the whole seal, on the critical path before the rename; sha256
 instead of xxh3), so the cost of each choice is visible.
 Reads of a dump (issue 32), ours vs through a mapping, in rotated rounds, medians: a whole seal of a fresh dump
-(written, not yet flushed, as `WeightSync` seals it: checksums + fsync; target: ours within 10%), its checksums alone on
+(written, not yet flushed, as `WeightSync` seals it: checksums + fsync, ours with the fsyncs on a thread beside the
+checksums; the former seal: checksums through a mapping, then each fsync; target: ours within 10%), its checksums alone on
 a dump in the page cache (`weight_files.checksum_of`: plain reads of 4 MiB into one buffer, xxh3's streaming API; the
 former way: xxh3-128 of an mmap of the file, which a file that shrinks under it turns into SIGBUS), and the built-in
 server's load of the shards with the copy into its parameters (`weight_files.read_shard`: the bytes read, then
@@ -99,7 +100,7 @@ from open_r1_ext.launch.local_server import BuiltinServer, free_port  # noqa: E4
 RATIO_TARGET = 1.3
 DISTRIBUTED_TARGET = 1.0  # seconds per sync over the network / through the disk (page cache), one replica
 REPLICAS_TARGET = 1.2  # seconds per sync over the network, two replicas / one
-READS_TARGET = 1.1  # seconds of a seal (checksums + fsync), plain reads / through a mapping (the way before issue 32)
+READS_TARGET = 1.1  # seconds of a seal (checksums + fsync): ours (plain reads) / the seal before issue 32 (a mapping)
 READ_SIDES = ("seal_reads", "seal_mapped", "checksum_reads", "checksum_mapped", "load_reads", "load_mapped")
 NETWORK_SIDES = ("disk_one", "disk_one_cold", "disk_two", "distributed_one", "distributed_two", "spanning_two")
 MEMORY_TARGET = 0.3  # peak extra resident memory of a ZeRO-3 dump per rank / model bytes, buckets of 1/8
@@ -269,21 +270,32 @@ def mapped_checksum(path: Path) -> str:
         return xxhash.xxh3_128(mapped).hexdigest()
 
 
+def seal_before_issue_32(directory: Path) -> None:
+    """`weight_files.seal_weight_dir` as it was before issue 32: each file's checksum through a mapping, the
+    manifest replaced, then every fsync in turn."""
+    weight_files.check_manifest(directory, checksums=False)
+    files = json.loads((directory / weight_files.MANIFEST).read_text())["files"]
+    for name, entry in files.items():
+        entry[weight_files.CHECKSUM] = mapped_checksum(directory / name)
+    weight_files._write_manifest(directory, files)
+    for path in [*(directory / name for name in sorted(files)), directory / weight_files.MANIFEST, directory,
+                 directory.parent]:
+        weight_files._fsync(path)
+
+
 def read_figures(model, sync: "weight_sync.WeightSync", repeats: int) -> dict:
     """Seconds of the reads of one dump (in the page cache), ours vs through a mapping, in rotated rounds, medians:
     a whole seal (checksums + fsync) of a fresh dump (written and not yet flushed, as `WeightSync` seals it), the
     seal's checksums of every file alone, and the built-in server's load of the shards + copy into its parameters."""
     steps = iter(range(1, 1 << 20))
 
-    def seal_s(checksum: Callable[[Path, int], str]) -> float:
+    def seal_s(seal: Callable[[Path], None]) -> float:
         fresh = sync.dump(model, next(steps))
-        original, weight_files.checksum_of = weight_files.checksum_of, checksum
         try:
             start = time.perf_counter()
-            weight_files.seal_weight_dir(fresh)
+            seal(fresh)
             return time.perf_counter() - start
         finally:
-            weight_files.checksum_of = original
             shutil.rmtree(fresh)
 
     directory = sync.dump(model, 0)
@@ -298,8 +310,8 @@ def read_figures(model, sync: "weight_sync.WeightSync", repeats: int) -> dict:
         return time.perf_counter() - start
 
     sides = {
-        "seal_reads": lambda: seal_s(weight_files.checksum_of),
-        "seal_mapped": lambda: seal_s(lambda path, size: mapped_checksum(path)),
+        "seal_reads": lambda: seal_s(weight_files.seal_weight_dir),
+        "seal_mapped": lambda: seal_s(seal_before_issue_32),
         "checksum_reads": lambda: timed_s(lambda: [weight_files.checksum_of(path, size) for path, size in files.items()]),
         "checksum_mapped": lambda: timed_s(lambda: [mapped_checksum(path) for path in files]),
         "load_reads": lambda: timed_s(lambda: [copy_into(model, weight_files.read_shard(p)) for p in shards]),

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.sglang_client import (BUSY, DEFAULT_BACKOFF_FACTOR, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_REQUEST_TIMEOUT,
-                                       DEFAULT_SERVER_WAIT_TIMEOUT, DOWN, HEALTHY, AbortedRequestError, ServerError, ServerRequestError,
-                                       SGLangClient)
+                                       DEFAULT_SERVER_WAIT_TIMEOUT, DOWN, HEALTHY, AbortedRequestError, ServerError,
+                                       ServerRequestError, SGLangClient)
 from open_r1_ext.wait_progress import WaitProgress
 
 if TYPE_CHECKING:

@@ -337,3 +337,16 @@ def test_validate_answers_each_broken_recipe_with_one_line(tmp_path, tiny_recipe
     assert "RuntimeError: the module is broken" in result.stderr
     assert "not UTF-8 text (byte 0xe9 on line" in result.stderr
     assert "given twice (lines" in result.stderr
+
+
+def test_a_job_step_refuses_a_recipe_without_output_dir_in_one_line(tmp_path, tiny_recipe, capsys):
+    """A job step reads its recipe unchecked (`load_recipe(checked=False)`), but a server job submitted by hand with a
+    recipe that has no run directory still gets the recipe's one line, not a traceback."""
+    from open_r1_ext.launch import jobs
+
+    del tiny_recipe["trainer"]["output_dir"]
+    path = write(tmp_path, tiny_recipe)
+    with pytest.raises(RecipeError, match="trainer.output_dir: required"):
+        load_recipe(path, checked=False)
+    assert jobs.main(["server", str(path)]) == 2
+    assert f"{path}: trainer.output_dir: required" in capsys.readouterr().err

@@ -417,6 +417,8 @@ def load_recipe(path: Union[str, Path], overrides: Optional[list[str]] = None, c
     recipe = _build_recipe(raw, problems, checked)
     if recipe is not None:
         recipe._path = str(path)
+        if "output_dir" not in recipe.trainer:  # every launch path reads it first (the run directory)
+            problems.append(("trainer.output_dir", "required: where checkpoints, weight dumps and logs go"))
         if checked:
             _check_recipe(recipe, problems, check_paths)
     if problems:
@@ -611,8 +613,6 @@ def is_local_path(value: str) -> bool:
 
 
 def _check_recipe(recipe: Recipe, problems: list, check_paths: bool) -> None:
-    if "output_dir" not in recipe.trainer:
-        problems.append(("trainer.output_dir", "required: where checkpoints, weight dumps and logs go"))
     if check_paths:
         paths = [("model.name_or_path", recipe.model.name_or_path), ("data.dataset", recipe.data.dataset),
                  ("accelerate_config", recipe.accelerate_config),

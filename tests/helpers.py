@@ -27,6 +27,8 @@ from open_r1_ext.sglang_client import SGLangClient
 from tools.bench_common import arithmetic_prompts
 
 REPO = Path(__file__).resolve().parents[1]
+# Every shipped recipe: the GPU ones and the tiny CPU one
+SHIPPED_RECIPES = sorted(REPO.glob("recipes/*/grpo/*.yaml")) + [REPO / "recipes/tiny/grpo.yaml"]
 # The tiny model's weights are float32; SGLang's `--dtype auto` serves a float32 model in float16 (model_config.py
 # ~2317, "the common practice"), whose log-probs were up to 2.2e-3 from a float32 forward of trained weights
 SGLANG_FLOAT32 = ("--dtype", "float32")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from open_r1_ext.config.recipe import load_recipe
-from tests.helpers import REPO
+from tests.helpers import REPO, SHIPPED_RECIPES
 
 HEAVY = ("torch", "trl", "transformers")
 
@@ -31,7 +31,7 @@ def test_status_and_the_job_steps_module_import_neither_torch_nor_trl(tmp_path):
     assert imports == {"code": 0, "heavy": []}
 
 
-SHIPPED = sorted(str(path.relative_to(REPO)) for path in REPO.glob("recipes/*/grpo/*.yaml")) + ["recipes/tiny/grpo.yaml"]
+SHIPPED = [str(path.relative_to(REPO)) for path in SHIPPED_RECIPES]
 JOB_STEP_HEAVY = ("torch", "transformers", "trl.trainer.grpo_config")  # TRL's package alone: its ModelConfig defaults
 VARIANTS = ([], ["sync.sync_dir=elsewhere/dumps", "trainer.server_wait_timeout=33"])  # the defaults, and set values
 

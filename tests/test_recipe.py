@@ -11,9 +11,7 @@ from open_r1_ext.cli import main as cli_main
 from open_r1_ext.config.recipe import RecipeError, load_recipe
 from open_r1_ext.launch.slurm_plan import ShellVar, SlurmPlan, shell_join
 from open_r1_ext.train import servers
-from tests.helpers import REPO
-
-SHIPPED = sorted(REPO.glob("recipes/*/grpo/*.yaml")) + [REPO / "recipes/tiny/grpo.yaml"]
+from tests.helpers import REPO, SHIPPED_RECIPES
 
 
 def cli(*args, cwd=REPO):
@@ -40,13 +38,13 @@ def test_every_shipped_recipe_validates_and_passes_the_preflight(capsys, monkeyp
     imports the supported SGLang, every report_to integration is installed; the hub downloads are warnings only.
     `validate` runs in this process (`cli.main`, from the repository as a user would): a CLI process would spend
     ~5 s of CPU importing TRL again."""
-    assert len(SHIPPED) >= 5
+    assert len(SHIPPED_RECIPES) >= 5
     monkeypatch.chdir(REPO)
-    code = cli_main(["validate", "--preflight", *map(str, SHIPPED)])
+    code = cli_main(["validate", "--preflight", *map(str, SHIPPED_RECIPES)])
     result = capsys.readouterr()
     assert code == 0, result.err
-    assert sum(line.endswith(" trainer process(es))") for line in result.out.splitlines()) == len(SHIPPED)
-    for path in SHIPPED:
+    assert sum(line.endswith(" trainer process(es))") for line in result.out.splitlines()) == len(SHIPPED_RECIPES)
+    for path in SHIPPED_RECIPES:
         recipe = load_recipe(path)
         for role, spec in recipe.servers.specs().items():
             engine = "sglang (sglang 0.5.23)" if spec.engine == "sglang" else "open_r1_ext (open_r1_ext"
@@ -54,7 +52,7 @@ def test_every_shipped_recipe_validates_and_passes_the_preflight(capsys, monkeyp
 
 
 def test_real_model_recipes_say_what_they_need():
-    for path in SHIPPED:
+    for path in SHIPPED_RECIPES:
         first = path.read_text().splitlines()[:3]
         assert any(line.startswith("# Needs:") for line in first), path
 

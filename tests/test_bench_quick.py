@@ -110,12 +110,20 @@ def test_bench_async_quick_writes_json(tmp_path):
     assert figures["async.sync_generation_share"] < figures["async.sync_rollout_chain_share"] < 1
     # part 2: in-flight updates vs one-step async on the long-tailed workload
     assert_finite_positive(figures, [
-        *(f"inflight.{side}_tokens_per_s" for side in ("sync", "one_step", "in_flight")),
+        *(f"inflight.{side}_tokens_per_s" for side in ("sync", "one_step", "in_flight", "one_step_distributed",
+                                                        "in_flight_distributed")),
         "inflight.speedup_vs_one_step", "inflight.speedup_min", "inflight.speedup_max", "inflight.target",
         "inflight.in_flight_vs_sync", "inflight.machine_parallel_speedup", "inflight.last_round.in_flight.timing/train",
         "inflight.last_round.in_flight.background/paused", "inflight.last_round.in_flight.background/reload",
-        "inflight.last_round.one_step.background/generate", "inflight.last_round.sync.timing/generate"])
+        "inflight.last_round.one_step.background/generate", "inflight.last_round.sync.timing/generate",
+        # the network transport (issue #34): the broadcast runs on the training thread, paused around it
+        "inflight.distributed_speedup_vs_one_step", "inflight.distributed_vs_disk", "inflight.distributed_sync_vs_disk",
+        "inflight.in_flight_sync_s", "inflight.in_flight_distributed_sync_s", "inflight.in_flight_paused_s",
+        "inflight.in_flight_distributed_paused_s", "inflight.last_round.in_flight_distributed.timing/reload_wait"])
     assert "inflight.last_round.in_flight.timing/group_wait" in figures and isinstance(figures["inflight.met"], bool)
+    assert isinstance(figures["inflight.distributed_met"], bool) and isinstance(figures["inflight.distributed_sync_met"], bool)
+    # nothing dumped over the network: the distributed sides' training threads never wrote a dump
+    assert "inflight.last_round.in_flight_distributed.timing/dump" not in figures
     assert figures["inflight.round_speedup_vs_one_step"] == [figures["inflight.speedup_vs_one_step"]]
 
 

@@ -13,12 +13,16 @@ round measures how much faster two single-threaded CPU-bound processes finish to
 (`speedup`), and the ratio cannot beat 1 / speedup either.
 Target (issue #13): async / sync <= 1.08 x that best ratio (the median over the rounds of a run).
 
-Part 2, in-flight updates (issue #23), on a long-tailed workload: one completion in eight (those whose sampling
-seed is a multiple of 8) is eight times longer than the rest, all `ignore_eos`. Three sides: sync, one-step async
-(`async_generation`: a batch generated whole while the previous one trains) and in-flight (`in_flight_updates`:
-groups go to training as they complete, weight syncs pause and continue the generation under way). Each side's
-figure is trained completion tokens per second (the completions of the timed steps over their wall time).
-Target: `speedup_vs_one_step` = in-flight / one-step async >= 1.25, the median over the rounds of a run.
+Part 2, in-flight updates (issues #23, #34), on a long-tailed workload: one completion in eight (those whose
+sampling seed is a multiple of 8) is eight times longer than the rest, all `ignore_eos`. Five sides: sync, one-step
+async (`async_generation`: a batch generated whole while the previous one trains) and in-flight (`in_flight_updates`:
+groups go to training as they complete, weight syncs pause and continue the generation under way), the last two also
+with `transport: distributed` (gloo; nothing written to disk). Each side's figure is trained completion tokens per
+second (the completions of the timed steps over their wall time); per sync, the training thread's seconds (the dump,
+and waiting for the reload or the broadcast, which runs on it) and the seconds the servers stand paused.
+Targets: `speedup_vs_one_step` = in-flight / one-step async >= 1.25, and the same over the network
+(`distributed_speedup_vs_one_step`), the medians over the rounds of a run; `distributed_sync_vs_disk` (the training
+thread's seconds per sync, distributed / disk) <= 1.0.
 
 The machine is shared, so each round measures every side once, in an order rotated from round to round, and the
 figures are medians over the rounds (with their spread).
@@ -58,10 +62,11 @@ SKIPPED_STEPS = 2  # warm-up: the first step, and async's first batch (generated
 
 
 def measure(model: Path, url: str, out: Path, mode: str, steps: int, completion_length: int,
-            long_tail: bool = False, prompts_in_flight: int = IN_FLIGHT_PROMPTS) -> dict:
-    """Train `steps` steps in `mode` (`sync`, `async`, `in-flight`); the median wall seconds per step and of each
-    `timing/*` part, and the trained completion tokens per second (all after the first `SKIPPED_STEPS` steps). With
-    `long_tail`, the long-tailed workload of part 2 (`completion_length` the long completions' length)."""
+            long_tail: bool = False, prompts_in_flight: int = IN_FLIGHT_PROMPTS, transport: str = "disk") -> dict:
+    """Train `steps` steps in `mode` (`sync`, `async`, `in-flight`) with weight syncs over `transport` (`disk`, or
+    `distributed`: gloo); the median wall seconds per step and of each `timing/*` part, and the trained completion
+    tokens per second (all after the first `SKIPPED_STEPS` steps). With `long_tail`, the long-tailed workload of part 2
+    (`completion_length` the long completions' length)."""
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
 
@@ -75,7 +80,8 @@ def measure(model: Path, url: str, out: Path, mode: str, steps: int, completion_
     args = RemoteGRPOConfig(
         output_dir=str(out), max_completion_length=completion_length, max_steps=steps, beta=0.0, learning_rate=1e-4,
         bf16=False, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
-        generation_url=url, async_generation=mode != "sync", **shape, **in_flight,
+        generation_url=url, async_generation=mode != "sync", **shape, **in_flight, transport=transport,
+        distributed_backend="gloo",
         generation_kwargs={"ignore_eos": True, "stop_token_ids": []},  # full-length completions: a steady step cost
     )
     ends: list[float] = []
@@ -190,72 +196,118 @@ def async_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, comple
     }
 
 
-IN_FLIGHT_SIDES = ("sync", "async", "in-flight")
+# part 2's sides: name -> (mode, transport, its key in the figures)
+IN_FLIGHT_SIDES = {
+    "sync": ("sync", "disk", "sync"),
+    "one-step async": ("async", "disk", "one_step"),
+    "in-flight": ("in-flight", "disk", "in_flight"),
+    "one-step async, distributed": ("async", "distributed", "one_step_distributed"),
+    "in-flight, distributed": ("in-flight", "distributed", "in_flight_distributed"),
+}
+# a sync's cost to the training thread (the dump; waiting for a reload, or for the broadcast, which runs on it) and
+# how long the generation servers stand paused for it (the update thread's pause around a reload; the broadcast's)
+SYNC_PARTS = ("timing/dump", "timing/reload_wait")
+PAUSED_PART = {"disk": "background/paused", "distributed": "timing/reload_wait"}
+
+
+def ratios(results: dict, over: str, under: str) -> list[float]:
+    """Per round, the trained completion tokens/s of side `over` / side `under`."""
+    return [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(results[over], results[under])]
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, long_length: int,
                    prompts_in_flight: int = IN_FLIGHT_PROMPTS) -> dict:
-    """Part 2: sync, one-step async and in-flight on the long-tailed workload, each once per round in a rotated order;
-    prints its table, returns its `inflight.*` figures."""
+    """Part 2: sync, one-step async and in-flight on the long-tailed workload, the last two also with `transport:
+    distributed` (gloo), each once per round in a rotated order; prints its tables, returns its `inflight.*` figures."""
     from open_r1_ext.sglang_client import SGLangClient
 
     runs = itertools.count()
 
-    def side(mode: str):
+    def side(mode: str, transport: str):
         def run() -> dict:
             SGLangClient(url).update_weights_from_disk(str(model), weight_version="default")
-            return measure(model, url, tmp / f"tail-{mode}-{next(runs)}", mode, steps, long_length, long_tail=True,
-                           prompts_in_flight=prompts_in_flight)
+            return measure(model, url, tmp / f"tail-{mode}-{transport}-{next(runs)}", mode, steps, long_length,
+                           long_tail=True, prompts_in_flight=prompts_in_flight, transport=transport)
         return run
 
-    *measured, speedups_machine = bench_rounds([*(side(mode) for mode in IN_FLIGHT_SIDES), parallel_speedup], rounds)
+    *measured, speedups_machine = bench_rounds([*(side(mode, transport) for mode, transport, _ in
+                                                  IN_FLIGHT_SIDES.values()), parallel_speedup], rounds)
     results = dict(zip(IN_FLIGHT_SIDES, measured))
     machine = statistics.median(speedups_machine)
-    speedups = [f["tokens_per_s"] / o["tokens_per_s"] for f, o in zip(results["in-flight"], results["async"])]
-    median = {mode: statistics.median(r["tokens_per_s"] for r in runs) for mode, runs in results.items()}
-    speedup = statistics.median(speedups)
+    speedups = ratios(results, "in-flight", "one-step async")
+    distributed_speedups = ratios(results, "in-flight, distributed", "one-step async, distributed")
+    distributed_vs_disk = ratios(results, "in-flight, distributed", "in-flight")
+    median = {name: statistics.median(r["tokens_per_s"] for r in runs) for name, runs in results.items()}
+    sync_s = {name: statistics.median(sum(r.get(part, 0.0) for part in SYNC_PARTS) for r in runs)
+              for name, runs in results.items()}
+    paused_s = {name: statistics.median(r.get(PAUSED_PART[IN_FLIGHT_SIDES[name][1]], 0.0) for r in runs)
+                for name, runs in results.items() if IN_FLIGHT_SIDES[name][0] == "in-flight"}
+    sync_ratio = sync_s["in-flight, distributed"] / sync_s["in-flight"]
+    speedup, distributed_speedup = statistics.median(speedups), statistics.median(distributed_speedups)
     met = speedup >= TARGET_SPEEDUP_VS_ONE_STEP
+    distributed_met = distributed_speedup >= TARGET_SPEEDUP_VS_ONE_STEP
     short = long_length // LONG_FACTOR
     print(f"Part 2: tiny model, {8 * TAIL_PROMPTS} completions ({TAIL_PROMPTS} prompt(s) x 8) per step, one completion "
           f"in {LONG_EVERY} {long_length} tokens long, the rest {short} (ignore_eos); {steps} steps per side and round (the first "
           f"{SKIPPED_STEPS} not timed), {rounds} round(s) in rotated order; in-flight with max_weight_staleness="
           f"{IN_FLIGHT_STALENESS} and max_prompts_in_flight={prompts_in_flight}, one-step async with 1")
-    for mode, runs in results.items():
+    for name, runs in results.items():
         last = runs[-1]
-        print(f"  {mode}: trained completions {statistics.median(r['mean_completion_length'] for r in runs):.1f} tokens "
+        print(f"  {name}: trained completions {statistics.median(r['mean_completion_length'] for r in runs):.1f} tokens "
               f"long on average, a step {statistics.median(r['seconds_per_step'] for r in runs):.3f} s (medians)")
-        print(f"  last round, {mode} step parts (median s): "
+        print(f"  last round, {name} step parts (median s): "
               + ", ".join(f"{key} {value:.4f}" for key, value in last.items() if "/" in key and value >= 0.0005))
     rows = [[f"trained completion tokens/s (round {i + 1} of {rounds})",
-             *(f"{results[mode][i]['tokens_per_s']:.0f}" for mode in IN_FLIGHT_SIDES), f"{s:.2f}",
-             f">= {TARGET_SPEEDUP_VS_ONE_STEP}", verdict(s >= TARGET_SPEEDUP_VS_ONE_STEP)] for i, s in enumerate(speedups)]
+             *(f"{results[name][i]['tokens_per_s']:.0f}" for name in IN_FLIGHT_SIDES), f"{s:.2f}", f"{d:.2f}",
+             f">= {TARGET_SPEEDUP_VS_ONE_STEP}", f"{verdict(s >= TARGET_SPEEDUP_VS_ONE_STEP)}, "
+             f"{verdict(d >= TARGET_SPEEDUP_VS_ONE_STEP)}"] for i, (s, d) in enumerate(zip(speedups, distributed_speedups))]
     if rounds > 1:
-        rows.append(["median of the rounds", *(f"{median[mode]:.0f}" for mode in IN_FLIGHT_SIDES),
-                     f"{speedup:.2f} ({min(speedups):.2f}-{max(speedups):.2f})", f">= {TARGET_SPEEDUP_VS_ONE_STEP}",
-                     verdict(met)])
+        rows.append(["median of the rounds", *(f"{median[name]:.0f}" for name in IN_FLIGHT_SIDES), spread(speedups),
+                     spread(distributed_speedups), f">= {TARGET_SPEEDUP_VS_ONE_STEP}",
+                     f"{verdict(met)}, {verdict(distributed_met)}"])
     print(f"  two single-threaded CPU-bound processes ran {machine:.2f}x as fast as one after the other (median; rounds "
           + ", ".join(f"{x:.2f}" for x in speedups_machine) + ")")
     if machine < BUSY_SPEEDUP:
         print(f"WARNING: the host is busy (speedup {machine:.2f} < {BUSY_SPEEDUP}): generation and training cannot run "
               "side by side as on separate allocations; rerun on a quiet machine")
-    print(markdown_table(["measurement", "sync", "one-step async", "in-flight", "in-flight / one-step",
+    print(markdown_table(["measurement", *IN_FLIGHT_SIDES, "in-flight / one-step", "the same, distributed",
                           "target", "met"], rows))
-    keys = {"sync": "sync", "async": "one_step", "in-flight": "in_flight"}
+    print(markdown_table(
+        ["in-flight, per sync (medians)", "disk", "distributed", "distributed / disk", "target", "met"],
+        [["the training thread's (s): dump + waiting for the reload or broadcast", f"{sync_s['in-flight']:.4f}",
+          f"{sync_s['in-flight, distributed']:.4f}", f"{sync_ratio:.2f}", "<= 1.0", verdict(sync_ratio <= 1.0)],
+         ["the generation servers paused (s)", f"{paused_s['in-flight']:.4f}", f"{paused_s['in-flight, distributed']:.4f}",
+          f"{paused_s['in-flight, distributed'] / paused_s['in-flight']:.2f}", "-", "-"],
+         ["trained completion tokens/s, median (rounds)", f"{median['in-flight']:.0f}",
+          f"{median['in-flight, distributed']:.0f}", spread(distributed_vs_disk), "-", "-"]]))
     return {
-        **{f"inflight.{keys[mode]}_tokens_per_s": value for mode, value in median.items()},
-        **{f"inflight.round_{keys[mode]}_tokens_per_s": [r["tokens_per_s"] for r in runs] for mode, runs in results.items()},
-        **{f"inflight.{keys[mode]}_{name}": statistics.median(r[name] for r in runs)
-           for mode, runs in results.items() for name in ("seconds_per_step", "mean_completion_length")},
+        **{f"inflight.{key}_tokens_per_s": median[name] for name, (_, _, key) in IN_FLIGHT_SIDES.items()},
+        **{f"inflight.round_{key}_tokens_per_s": [r["tokens_per_s"] for r in results[name]]
+           for name, (_, _, key) in IN_FLIGHT_SIDES.items()},
+        **{f"inflight.{key}_{figure}": statistics.median(r[figure] for r in results[name])
+           for name, (_, _, key) in IN_FLIGHT_SIDES.items() for figure in ("seconds_per_step", "mean_completion_length")},
+        **{f"inflight.{key}_sync_s": sync_s[name] for name, (_, _, key) in IN_FLIGHT_SIDES.items()},
+        **{f"inflight.{IN_FLIGHT_SIDES[name][2]}_paused_s": value for name, value in paused_s.items()},
         "inflight.speedup_vs_one_step": speedup,
         "inflight.round_speedup_vs_one_step": speedups,
         "inflight.speedup_min": min(speedups), "inflight.speedup_max": max(speedups),
+        "inflight.distributed_speedup_vs_one_step": distributed_speedup,
+        "inflight.round_distributed_speedup_vs_one_step": distributed_speedups,
+        "inflight.distributed_vs_disk": statistics.median(distributed_vs_disk),
+        "inflight.round_distributed_vs_disk": distributed_vs_disk,
+        "inflight.distributed_sync_vs_disk": sync_ratio, "inflight.distributed_sync_met": sync_ratio <= 1.0,
         "inflight.in_flight_vs_sync": median["in-flight"] / median["sync"],
-        "inflight.target": TARGET_SPEEDUP_VS_ONE_STEP, "inflight.met": met, "inflight.rounds": rounds,
+        "inflight.target": TARGET_SPEEDUP_VS_ONE_STEP, "inflight.met": met, "inflight.distributed_met": distributed_met,
+        "inflight.rounds": rounds,
         "inflight.max_weight_staleness": IN_FLIGHT_STALENESS, "inflight.max_prompts_in_flight": prompts_in_flight,
         "inflight.machine_parallel_speedup": machine, "inflight.round_machine_parallel_speedup": speedups_machine,
         "inflight.host_busy": machine < BUSY_SPEEDUP,
-        **{f"inflight.last_round.{keys[mode]}.{key}": value for mode, runs in results.items()
-           for key, value in runs[-1].items() if "/" in key},
+        **{f"inflight.last_round.{key}.{part}": value for name, (_, _, key) in IN_FLIGHT_SIDES.items()
+           for part, value in results[name][-1].items() if "/" in part},
     }
 
 

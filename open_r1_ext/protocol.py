@@ -135,11 +135,12 @@ SGLANG_LORA_TARGET_MODULES = (
 )
 LORA_TARGET_ALL = "all"
 # Routes that SGLang's `--admin-api-key` locks to the admin key (`http_server.py` ~1026, ~1301, ~1404-1488, ~1653,
-# ~1677, ~1832, ~1845, all `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130): the clients send it there, the built-in
-# server checks it there.
-ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter",
-                "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
-                "/end_weight_update", "/update_weights_from_distributed", "/pause_generation", "/continue_generation")
+# ~1664, ~1677, ~1832, ~1845, all `AuthLevel.ADMIN_OPTIONAL`; `utils/auth.py` ~130): the clients send it there, the
+# built-in server checks it there.
+ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
+                "/unload_lora_adapter", "/init_weights_update_group", "/destroy_weights_update_group",
+                "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed", "/pause_generation",
+                "/continue_generation")
 # OpenAI's legacy completions return at most this many `top_logprobs` per token.
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's chat completions return at most this many `top_logprobs` per token.
@@ -297,6 +298,21 @@ class LoadLoRAAdapterReqInput(_Strict):
 
     lora_name: StrictStr = Field(min_length=1)
     lora_path: StrictStr = Field(min_length=1)
+    pinned: StrictBool = False
+
+
+class LoadLoRAAdapterFromTensorsReqInput(_Strict):
+    """Body of `POST /load_lora_adapter_from_tensors` (`io_struct.py` ~2548): the adapter's tensors
+    (`serialized_named_tensors`, one copy per tensor-parallel rank: `named_tensors`) and its `adapter_config.json`
+    (`config_dict`), served under `lora_name`."""
+
+    unsupported = {**UNSUPPORTED_LORA_FIELDS, "added_tokens_config": None, "load_format": None,
+                   "expected_checksums": None}
+    what = "SGLang's /load_lora_adapter_from_tensors"
+
+    lora_name: StrictStr = Field(min_length=1)
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[StrictStr] = Field(min_length=1)
     pinned: StrictBool = False
 
 
@@ -710,6 +726,13 @@ def update_weights_from_distributed_request(names: Sequence[str], dtypes: Sequen
 def load_lora_request(lora_name: str, lora_path: str, pinned: bool = False) -> dict:
     """`/load_lora_adapter` body: load the PEFT adapter directory `lora_path` under the name `lora_name`."""
     return {"lora_name": str(lora_name), "lora_path": str(lora_path), "pinned": bool(pinned)}
+
+
+def load_lora_tensors_request(lora_name: str, serialized: str, config: dict, copies: int = 1) -> dict:
+    """`/load_lora_adapter_from_tensors` body: an adapter's tensors (`serialized`: `named_tensors.
+    serialize_named_tensors`), once per tensor-parallel rank of the server (`copies`), and its `adapter_config.json`."""
+    return {"lora_name": str(lora_name), "config_dict": config, "serialized_named_tensors": [serialized] * copies,
+            "pinned": False}
 
 
 def unload_lora_request(lora_name: str) -> dict:

@@ -35,6 +35,7 @@ from open_r1_ext.protocol import (
     generate_request,
     input_token_logprobs,
     load_lora_request,
+    load_lora_tensors_request,
     reference_request,
     unload_lora_request,
     update_weights_request,
@@ -462,6 +463,18 @@ class SGLangClient:
         _check_dump(lora_path, f"{self.base_url}/load_lora_adapter")
         return self._post_checked("/load_lora_adapter", load_lora_request(lora_name, lora_path),
                                   f"the LoRA adapter {lora_name} from {lora_path}")
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config: dict) -> dict:
+        """Load a LoRA adapter sent in the request (SGLang's `/load_lora_adapter_from_tensors`; no file): `tensors` as
+        peft names them in `adapter_model.safetensors`, `config` its `adapter_config.json`. They are pickled plainly,
+        which crosses nodes (`named_tensors`), once per tensor-parallel rank of the server (`/server_info`
+        `tp_size`). Raises `ServerRequestError` on failure, as `load_lora_adapter`."""
+        from open_r1_ext.named_tensors import serialize_named_tensors
+
+        copies = int(self.server_info().get("tp_size") or 1)
+        return self._post_checked("/load_lora_adapter_from_tensors",
+                                  load_lora_tensors_request(lora_name, serialize_named_tensors(tensors), config, copies),
+                                  f"the LoRA adapter {lora_name} from tensors")
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         """Unload the adapter `lora_name`; raises `ServerRequestError` on failure (e.g. no adapter of that name).

@@ -76,6 +76,10 @@ def test_bench_sync_quick_writes_json(tmp_path):
     assert_finite_positive(figures, [f"sync.lora.{key}" for key in ("adapter_bytes", "merged_bytes", "bytes_ratio",
                                                                     "adapter_s", "merged_s", "seconds_ratio")])
     assert figures["sync.lora.adapter_bytes"] < figures["sync.lora.merged_bytes"]
+    # the adapter in the request (/load_lora_adapter_from_tensors): its payload is the adapter in base64 (4/3 of it)
+    assert_finite_positive(figures, ["sync.lora.tensors_bytes", "sync.lora.tensors_s", "sync.lora.tensors_vs_dump_bytes",
+                                     "sync.lora.tensors_vs_dump_s"])
+    assert figures["sync.lora.tensors_vs_dump_bytes"] > 1
     assert isinstance(figures["sync.lora.bytes_met"], bool) and isinstance(figures["sync.lora.seconds_met"], bool)
     # over the network (issue #22): nothing written to the sync directory, the disk rows beside it
     sides = ("disk_one", "disk_one_cold", "disk_two", "distributed_one", "distributed_two", "spanning_two")

@@ -11,8 +11,8 @@ of rooms, top to bottom (`LAYERS`):
     entry    cli.py, train.py                           the commands a user runs
     rooms    server/, trainer/, launch/                 one room per side
     schema   config/                                    the recipe and the configs it becomes
-    shared   protocol, weight_files, weight_broadcast, sglang_client, openai_client, server_pool, rewards, wait_progress,
-             and the package root (`__init__.py`: the version and the lazy public names; a module's `from open_r1_ext
+    shared   protocol, weight_files, weight_broadcast, named_tensors, sglang_client, openai_client, server_pool,
+             rewards, wait_progress, and the package root (`__init__.py`: the version and the lazy public names; a module's `from open_r1_ext
              import RemoteGRPOTrainer` counts as an import of the module the name comes from)
 
 Allowed: an import of a module in a lower layer, or of a module in the same room. A *back-arrow* is every other
@@ -51,6 +51,7 @@ def imported_by(module: str) -> set[str]:
     "open_r1_ext.server_pool",
     "open_r1_ext.openai_client",
     "open_r1_ext.weight_broadcast",
+    "open_r1_ext.named_tensors",
 ])
 def test_server_side_and_shared_modules_import_no_trainer_package(module):
     assert imported_by(module).isdisjoint(TRAINER_ONLY)
@@ -89,7 +90,7 @@ LAYERS = (  # top to bottom: {room: modules and packages in it}
     {"schema": ("open_r1_ext.config",)},
     {"shared": ("open_r1_ext", "open_r1_ext.protocol", "open_r1_ext.weight_files", "open_r1_ext.sglang_client",
                 "open_r1_ext.openai_client", "open_r1_ext.server_pool", "open_r1_ext.rewards",
-                "open_r1_ext.wait_progress", "open_r1_ext.weight_broadcast")},
+                "open_r1_ext.wait_progress", "open_r1_ext.weight_broadcast", "open_r1_ext.named_tensors")},
 )
 
 

@@ -37,6 +37,7 @@ from tests.helpers import (LORA_FLAGS, SGLANG_FLOAT32, KillServerAt, forward_log
                            synced, tiny_config, tiny_dataset, unload_adapters)
 from tests.test_inflight_lora import check_in_flight_lora
 from tests.test_lora import ServerMatchesPolicy, lora_trainer
+from tests.test_lora_server import PROMPTS, adapter_tensors, make_adapter, score
 
 
 def logged(trainer, key):
@@ -297,3 +298,19 @@ def test_adapter_only_lora_sync(pair, tiny_model, tmp_path):
                                                                                          MANIFEST])
     rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
     assert [(r["step"], r["weight_version"]) for r in rollouts] == [(1, 0), (2, 1), (3, 2)]  # each step's adapter
+
+
+def test_an_adapter_sent_as_tensors_loads_on_sglang(pair, tiny_model, tmp_path):
+    """What a trainer on another node can send SGLang 0.5.23's `/load_lora_adapter_from_tensors`: a plain pickle of
+    the adapter's tensors (`named_tensors`; SGLang's SafeUnpickler takes it, where torch's ForkingPickler would send
+    handles to this machine's shared memory). The adapter then serves as the same adapter loaded from its directory:
+    the same log-probs, which are not the base model's."""
+    client = SGLangClient(pair["b"].url)
+    adapter = make_adapter(tiny_model, tmp_path / "adapter", seed=5)
+    client.load_lora_adapter("from-disk", str(adapter))
+    loaded = client.load_lora_adapter_from_tensors("from-tensors", *adapter_tensors(adapter))
+    assert loaded["success"] and loaded["loaded_adapters"]["from-tensors"] == "__tensor__"
+    sent, read, base = (score(client, PROMPTS, name) for name in ("from-tensors", "from-disk", None))
+    for got, want, plain in zip(sent, read, base):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+        assert max(abs(a - b) for a, b in zip(got, plain)) > 5 * ATOL  # the adapter counts

@@ -371,6 +371,10 @@ BAD_RAW = [  # (route, body bytes, Content-Type, words)
     ("/update_weights_from_disk", b'{"model_path": "/x", "mixup_alpha": 2}', "application/json", "mixup_alpha"),
     ("/load_lora_adapter", b'{"lora_name": "v1"}', "application/json", "lora_path"),
     ("/unload_lora_adapter", b'{"lora_name": ""}', "application/json", "lora_name"),
+    ("/load_lora_adapter_from_tensors", b'{"lora_name": "v1", "config_dict": {}}', "application/json",
+     "serialized_named_tensors"),
+    ("/load_lora_adapter_from_tensors", b'{"lora_name": "v1", "config_dict": {}, "serialized_named_tensors": ["x"], '
+     b'"load_format": "flattened_bucket"}', "application/json", "load_format"),
 ]
 
 

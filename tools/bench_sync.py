@@ -91,6 +91,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import header, machine_facts, markdown_table, model_dir, rounds, verdict, write_json  # noqa: E402
 
 from open_r1_ext import weight_broadcast, weight_files  # noqa: E402
+from open_r1_ext.named_tensors import serialize_named_tensors  # noqa: E402
 from open_r1_ext.protocol import init_weights_update_group_request, update_weights_from_distributed_request  # noqa: E402
 from open_r1_ext.server_pool import ServerPool  # noqa: E402
 from open_r1_ext.trainer import weight_sync  # noqa: E402
@@ -559,10 +560,23 @@ def lora_figures(path: Path, work: Path, client: SGLangClient, repeats: int) -> 
                                                adapter_only=True),
              "merged": weight_sync.WeightSync(Accelerator(cpu=True), str(work / "merged"), 0, str(work / "log"), [])}
     runs: dict[str, list[tuple[int, float]]] = defaultdict(list)
+
+    def tensors_sync(rep: int) -> dict[str, torch.Tensor]:
+        """The adapter in the request (`/load_lora_adapter_from_tensors`), no file; the tensors sent."""
+        weights = weight_sync.AdapterWeights(sides["adapter"].accelerator, model, sides["adapter"].bucket_bytes)
+        tensors = weights.gather_all(read=True)
+        client.load_lora_adapter_from_tensors(f"tensors-{rep}", tensors, weights.config_dict())
+        return tensors
+
     for rep in range(repeats):
-        for name in sides if rep % 2 == 0 else list(sides)[::-1]:
+        for name in (*sides, "tensors") if rep % 2 == 0 else ("tensors", *list(sides)[::-1]):
             os.sync()
             start = time.perf_counter()
+            if name == "tensors":
+                tensors = tensors_sync(rep)
+                runs[name].append((len(serialize_named_tensors(tensors)), time.perf_counter() - start))
+                client.unload_lora_adapter(f"tensors-{rep}")
+                continue
             directory = sides[name].dump(model, rep)
             if name == "adapter":
                 sides[name].push(target, directory, str(rep))
@@ -572,11 +586,14 @@ def lora_figures(path: Path, work: Path, client: SGLangClient, repeats: int) -> 
             runs[name].append((sum(f.stat().st_size for f in directory.iterdir()), seconds))
             shutil.rmtree(directory)
     figures: dict = {"sync.lora.rank": LORA_RANK}
-    for name in sides:
+    for name in (*sides, "tensors"):
         figures[f"sync.lora.{name}_bytes"] = statistics.median(b for b, _ in runs[name])
         figures[f"sync.lora.{name}_s"] = statistics.median(s for _, s in runs[name])
     figures["sync.lora.bytes_ratio"] = figures["sync.lora.adapter_bytes"] / figures["sync.lora.merged_bytes"]
     figures["sync.lora.seconds_ratio"] = figures["sync.lora.adapter_s"] / figures["sync.lora.merged_s"]
+    # the adapter sent in the request vs its dump (bytes sent vs bytes written, seconds each)
+    figures["sync.lora.tensors_vs_dump_bytes"] = figures["sync.lora.tensors_bytes"] / figures["sync.lora.adapter_bytes"]
+    figures["sync.lora.tensors_vs_dump_s"] = figures["sync.lora.tensors_s"] / figures["sync.lora.adapter_s"]
     figures.update({"sync.lora.bytes_target": LORA_BYTES_TARGET, "sync.lora.seconds_target": LORA_SECONDS_TARGET,
                     "sync.lora.bytes_met": figures["sync.lora.bytes_ratio"] <= LORA_BYTES_TARGET,
                     "sync.lora.seconds_met": figures["sync.lora.seconds_ratio"] <= LORA_SECONDS_TARGET})
@@ -810,8 +827,16 @@ def tables(f: dict) -> str:
           f"{f['sync.lora.merged_s']:.3f} s", f"{f['sync.lora.seconds_ratio']:.2f}", f"<= {LORA_SECONDS_TARGET:g}",
           verdict(f["sync.lora.seconds_met"]))],
     )
+    lora_tensors = markdown_table(
+        (f"LoRA r={f['sync.lora.rank']}: the adapter in the request (/load_lora_adapter_from_tensors)", "tensors",
+         "adapter dump", "ratio"),
+        [("bytes sent (the request's payload) / written", f"{f['sync.lora.tensors_bytes'] / MB:,.2f} MB",
+          f"{f['sync.lora.adapter_bytes'] / MB:,.2f} MB", f"{f['sync.lora.tensors_vs_dump_bytes']:.2f}"),
+         ("seconds (gather + the server's load; dump + the server's load, median)", f"{f['sync.lora.tensors_s']:.3f} s",
+          f"{f['sync.lora.adapter_s']:.3f} s", f"{f['sync.lora.tensors_vs_dump_s']:.2f}")],
+    )
     return (f"{main}\n\n{components}\n\n{background}\n\n{what_if}\n\n{reads_table(f)}\n\n{zero3}\n\n{lora}\n\n"
-            f"{network_table(f)}")
+            f"{lora_tensors}\n\n{network_table(f)}")
 
 
 def network_table(f: dict) -> str:

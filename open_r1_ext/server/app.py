@@ -81,6 +81,7 @@ from open_r1_ext.protocol import (
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
     SamplingParams,
     StreamOptions,
@@ -91,6 +92,7 @@ from open_r1_ext.protocol import (
     lora_update_output,
     max_req_input_len,
 )
+from open_r1_ext.named_tensors import deserialize_named_tensors
 from open_r1_ext.weight_files import WeightFileError
 
 logger = logging.getLogger("open_r1_ext.server.app")
@@ -98,6 +100,7 @@ HEALTH_TIMEOUT_S = 20.0
 HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)  # /health_generate: one greedy token
 DETERMINISTIC_DEFAULT_SEED = 42  # SGLang's seed for a request without `sampling_seed` in deterministic mode
 LOAD_FORMATS = (None, "auto", "safetensors")
+TENSOR_LORA_PATH = "__tensor__"  # SGLang's `lora_path` of an adapter loaded from tensors (`io_struct.py` ~2567)
 LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."  # SGLang's words
 # SGLang's answer to a reload that flushes the cache while requests paused in place keep theirs
 # (`scheduler_components/weight_updater.py` ~120-133); the weights and version have changed all the same.
@@ -453,29 +456,49 @@ def slot_router(engine: ModelEngine, batcher: Batcher, random_seed: int, context
         loaded = {name: path for name, (_, path) in loras.items()}
         return JSONResponse(status_code=400 if error else 200, content=lora_update_output(error, loaded))
 
-    @app.post("/load_lora_adapter")
-    async def load_lora_adapter(obj: LoadLoRAAdapterReqInput) -> JSONResponse:
-        """As SGLang: a name already served is refused; the adapter directory must lie below --weight-dirs. Loaded
-        between two decode steps, as SGLang's scheduler loads one between batches (`scheduler.py` ~6052): the requests
-        under way go on with the adapters they named."""
+    async def load_lora(name: str, source: str, load: Callable[[], str]) -> JSONResponse:
+        """A LoRA load, as SGLang: a name already served is refused. `load()` (on a worker thread: reading and checking
+        the adapter, then the engine's load between two decode steps, as SGLang's scheduler loads one between batches,
+        `scheduler.py` ~6052) returns the engine's adapter id; the requests under way go on with the adapters they
+        named. `source`: the adapter's path, as `loaded_adapters` lists it."""
         if engine.lora is None:
             return lora_answer(LORA_DISABLED)
-        name = obj.lora_name
         if name in loras or name in lora_names_busy:
             return lora_answer(f"Failed to load LoRA adapter {name} because it is already loaded")
         lora_names_busy.add(name)
         try:
-            path = _allowed(obj.lora_path, weight_dirs, "lora_path")
-            adapter = await asyncio.wrap_future(batcher.call_between_steps(lambda: engine.load_adapter(path)))
-        except (WeightFileError, OSError) as err:
-            logger.warning("LoRA adapter %s from %s refused: %s", name, obj.lora_path, err)
+            adapter = await asyncio.to_thread(load)
+        except (WeightFileError, OSError, ValueError) as err:
+            logger.warning("LoRA adapter %s from %s refused: %s", name, source, err)
             return lora_answer(f"Failed to load LoRA adapter {name}: {err}")
         finally:
             lora_names_busy.discard(name)
-        loras[name] = (adapter, obj.lora_path)
+        loras[name] = (adapter, source)
         lora_names_unloaded.discard(name)
-        logger.info("LoRA adapter %s loaded from %s", name, obj.lora_path)
+        logger.info("LoRA adapter %s loaded from %s", name, source)
         return lora_answer()
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(obj: LoadLoRAAdapterReqInput) -> JSONResponse:
+        """As SGLang: the adapter directory must lie below --weight-dirs (see `load_lora`)."""
+        def load() -> str:
+            path = _allowed(obj.lora_path, weight_dirs, "lora_path")
+            return batcher.call_between_steps(lambda: engine.load_adapter(path)).result()
+
+        return await load_lora(obj.lora_name, obj.lora_path, load)
+
+    @app.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors(obj: LoadLoRAAdapterFromTensorsReqInput) -> JSONResponse:
+        """As SGLang (`io_struct.py` ~2548): the adapter's tensors in the body (`named_tensors`: only tensors are
+        unpickled), its `adapter_config.json` as `config_dict`; listed as `__tensor__` in `loaded_adapters`, as SGLang
+        lists it (see `load_lora`)."""
+        def load() -> str:
+            tensors = deserialize_named_tensors(obj.serialized_named_tensors[0])  # one tensor-parallel rank here
+            return batcher.call_between_steps(
+                lambda: engine.load_adapter_tensors(obj.config_dict, tensors, "config_dict", "serialized_named_tensors")
+            ).result()
+
+        return await load_lora(obj.lora_name, TENSOR_LORA_PATH, load)
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(obj: UnloadLoRAAdapterReqInput) -> JSONResponse:

@@ -302,19 +302,35 @@ class ModelEngine:
         self.weight_version = version
 
     # ------------------------------------------------------------ LoRA adapters
-    @torch.no_grad()  # not inference_mode: peft sets requires_grad on adapter weights when another one is removed
     def load_adapter(self, path: str) -> str:
-        """Load the PEFT LoRA adapter directory `path` (`adapter_config.json` + `adapter_model.safetensors`) beside the
-        adapters already loaded; returns its id (for `GenerationTask.adapter`, `score`, `unload_adapter`). All or
-        nothing: an adapter this server cannot serve (rank above `--max-lora-rank`, a module outside
-        `--lora-target-modules`, tensors that fit no module, missing or not finite, ...) raises `WeightFileError` and
-        leaves no trace. Needs `lora` (the server's `--enable-lora`)."""
-        from peft import LoraConfig, PeftModel
+        """Load the PEFT LoRA adapter directory `path` (`adapter_config.json` + `adapter_model.safetensors`); see
+        `load_adapter_tensors`."""
+        path_ = Path(path)
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            if not (path_ / name).is_file():
+                raise WeightFileError(f"{path}: no {name} (a PEFT adapter directory holds {ADAPTER_CONFIG} and "
+                                      f"{ADAPTER_WEIGHTS}, as PeftModel.save_pretrained writes them)")
+        try:
+            raw = json.loads((path_ / ADAPTER_CONFIG).read_text())
+        except ValueError as err:
+            raise WeightFileError(f"{path_ / ADAPTER_CONFIG}: not a readable PEFT config: {err}") from err
+        # read as every dump is (`read_shard`), not by peft's loader, which maps the file (SIGBUS if it shrinks)
+        return self.load_adapter_tensors(raw, read_shard(path_ / ADAPTER_WEIGHTS), str(path_ / ADAPTER_CONFIG),
+                                         str(path_ / ADAPTER_WEIGHTS))
+
+    @torch.no_grad()  # not inference_mode: peft sets requires_grad on adapter weights when another one is removed
+    def load_adapter_tensors(self, raw_config: Any, tensors: dict[str, torch.Tensor], config_source: str,
+                             tensors_source: str) -> str:
+        """Load a PEFT LoRA adapter (`raw_config`: its `adapter_config.json`; `tensors`: its weights, as peft names them)
+        beside the adapters already loaded; returns its id (for `GenerationTask.adapter`, `score`, `unload_adapter`).
+        All or nothing: an adapter this server cannot serve (rank above `--max-lora-rank`, a module outside
+        `--lora-target-modules`, tensors that fit no module, missing or not finite, ...) raises `WeightFileError`,
+        naming `config_source` or `tensors_source`, and leaves no trace. Needs `lora` (the server's `--enable-lora`)."""
+        from peft import PeftModel
         from peft.utils import set_peft_model_state_dict
 
-        config = self._adapter_config(Path(path), LoraConfig)
-        # read as every dump is (`read_shard`), not by peft's loader, which maps the file (SIGBUS if it shrinks)
-        weights = {name: tensor.to(self.device) for name, tensor in read_shard(Path(path) / ADAPTER_WEIGHTS).items()}
+        config = self._adapter_config(raw_config, config_source)
+        weights = {name: tensor.to(self.device) for name, tensor in tensors.items()}
         adapter = next((a for a, kept in self._retired.items() if _same_layers(kept, config)), None)
         reused = adapter is not None
         try:
@@ -328,13 +344,13 @@ class ModelEngine:
                 else:
                     self.peft.add_adapter(adapter, config)
             result = set_peft_model_state_dict(self.peft, weights, adapter_name=adapter)
-            self._check_adapter(Path(path), adapter, result)
+            self._check_adapter(tensors_source, adapter, result)
         except (RuntimeError, ValueError, OSError) as err:  # e.g. no such module, a tensor of another shape
             if self.peft is not None and adapter in self.peft.peft_config:
                 self.peft.delete_adapter(adapter)
             if isinstance(err, WeightFileError):
                 raise
-            raise WeightFileError(f"{path}: {err}") from err
+            raise WeightFileError(f"{tensors_source}: {err}") from err
         finally:
             (self.model if self.peft is None else self.peft).eval()  # as peft's `load_adapter` leaves it
         if not reused:  # peft needs one active (a walk over every module); each row names its own anyway
@@ -352,53 +368,52 @@ class ModelEngine:
             self.peft.delete_adapter(old)
         self._retired[adapter] = self.peft.peft_config[adapter]
 
-    def _adapter_config(self, path: Path, config_class):
-        """The adapter's `LoraConfig`, once its files are there and it is a LoRA this server can serve."""
-        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-            if not (path / name).is_file():
-                raise WeightFileError(f"{path}: no {name} (a PEFT adapter directory holds {ADAPTER_CONFIG} and "
-                                      f"{ADAPTER_WEIGHTS}, as PeftModel.save_pretrained writes them)")
-        try:
-            kind = json.loads((path / ADAPTER_CONFIG).read_text()).get("peft_type")
-            config = config_class.from_pretrained(str(path))
-        except (ValueError, TypeError, AttributeError) as err:
-            raise WeightFileError(f"{path / ADAPTER_CONFIG}: not a readable PEFT config: {err}") from err
+    def _adapter_config(self, raw: Any, where: str):
+        """The adapter's `LoraConfig` from its `adapter_config.json` (`raw`, read from `where`), once it is a LoRA this
+        server can serve."""
+        from peft import LoraConfig
+
+        kind = raw.get("peft_type") if isinstance(raw, dict) else None
         if kind != "LORA":
-            raise WeightFileError(f"{path / ADAPTER_CONFIG}: peft_type {kind!r}; the server takes LoRA adapters only")
+            raise WeightFileError(f"{where}: peft_type {kind!r}; the server takes LoRA adapters only")
+        try:  # as `LoraConfig.from_pretrained` builds it from the file
+            config = LoraConfig.from_peft_type(**LoraConfig.check_kwargs(**raw))
+        except (ValueError, TypeError, AttributeError, KeyError) as err:
+            raise WeightFileError(f"{where}: not a readable PEFT config: {err}") from err
         if config.use_dora:
-            raise WeightFileError(f"{path / ADAPTER_CONFIG}: a DoRA adapter (use_dora); the server takes plain LoRA")
+            raise WeightFileError(f"{where}: a DoRA adapter (use_dora); the server takes plain LoRA")
         if config.modules_to_save:
-            raise WeightFileError(f"{path / ADAPTER_CONFIG}: modules_to_save {config.modules_to_save}: whole modules "
+            raise WeightFileError(f"{where}: modules_to_save {config.modules_to_save}: whole modules "
                                   "trained beside the adapter are not served; train the adapter without them")
         rank = max([config.r, *(config.rank_pattern or {}).values()])
         if rank > self.lora.max_rank:
-            raise WeightFileError(f"{path / ADAPTER_CONFIG}: rank {rank} is above the server's --max-lora-rank "
+            raise WeightFileError(f"{where}: rank {rank} is above the server's --max-lora-rank "
                                   f"{self.lora.max_rank}; start the server with --max-lora-rank {rank} or more")
         return config
 
-    def _check_adapter(self, path: Path, adapter: str, loaded: Any) -> None:
-        """After loading (`loaded`: what `load_state_dict` reported): every tensor of the file went into a module and
-        every module the adapter adapts got its tensors, only modules `--lora-target-modules` names are adapted, and
-        every weight is finite."""
+    def _check_adapter(self, where: str, adapter: str, loaded: Any) -> None:
+        """After loading (`loaded`: what `load_state_dict` reported): every tensor of the adapter (read from `where`)
+        went into a module and every module the adapter adapts got its tensors, only modules `--lora-target-modules`
+        names are adapted, and every weight is finite."""
         from peft.tuners.lora import LoraLayer
 
         if loaded.unexpected_keys:
-            raise WeightFileError(f"{path / ADAPTER_WEIGHTS}: tensors that fit no module of the served model: "
+            raise WeightFileError(f"{where}: tensors that fit no module of the served model: "
                                   f"{', '.join(sorted(loaded.unexpected_keys)[:5])}")
         missing = sorted(k.replace(f".{adapter}", "") for k in loaded.missing_keys if f".{adapter}." in k and ".lora_" in k)
         if missing:
-            raise WeightFileError(f"{path / ADAPTER_WEIGHTS}: no tensor for {', '.join(missing[:5])}"
+            raise WeightFileError(f"{where}: no tensor for {', '.join(missing[:5])}"
                                   + (" ..." if len(missing) > 5 else ""))
         adapted = {name.rsplit(".", 1)[-1] for name, module in self.model.named_modules()
                    if isinstance(module, LoraLayer) and (adapter in module.lora_A or adapter in module.lora_embedding_A)}
         allowed = self.lora.target_modules
         outside = sorted(adapted - allowed) if allowed is not None else []
         if outside:
-            raise WeightFileError(f"{path}: adapts {', '.join(outside)}, outside the server's --lora-target-modules "
+            raise WeightFileError(f"{where}: adapts {', '.join(outside)}, outside the server's --lora-target-modules "
                                   f"{' '.join(sorted(allowed))}; start the server with them included (or 'all')")
         for name, param in self.model.named_parameters():
             if f".{adapter}." in f"{name}." and ".lora_" in name and not _all_finite(param):
-                raise WeightFileError(f"{path / ADAPTER_WEIGHTS}: {name.replace(f'.{adapter}', '')} has NaN or Inf values")
+                raise WeightFileError(f"{where}: {name.replace(f'.{adapter}', '')} has NaN or Inf values")
 
 
 class DecodeBatch:

@@ -225,11 +225,23 @@ class AdapterWeights(PolicyWeights):
         return get_peft_model_state_dict(self.peft_model, state_dict=tensors, adapter_name=self.adapter,
                                          save_embedding_layers=False)
 
-    def save_config(self, directory: Path) -> None:
-        """`adapter_config.json`, as `PeftModel.save_pretrained` writes it (for inference)."""
+    def gather_all(self, read: bool) -> dict[str, torch.Tensor]:
+        """The whole adapter, its buckets read in turn (copies, on the CPU) where `read`; under ZeRO-3 every rank calls
+        it (each bucket is gathered everywhere, a collective)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:
+            with self.gathered(bucket, read=read) as part:
+                tensors.update(part)
+        return tensors
+
+    def config_dict(self) -> dict:
+        """`adapter_config.json`'s content, as `PeftModel.save_pretrained` writes it (for inference)."""
         config = copy.copy(self.peft_model.peft_config[self.adapter])
         config.inference_mode = True
-        config.save_pretrained(str(directory))
+        return {key: sorted(value) if isinstance(value, set) else value for key, value in config.to_dict().items()}
+
+    def save_config(self, directory: Path) -> None:
+        (directory / ADAPTER_CONFIG).write_text(json.dumps(self.config_dict(), indent=2, sort_keys=True))
 
 
 def shard_writer(index: int, world: int) -> int:
@@ -418,10 +430,8 @@ class WeightSync:
     def _write_adapter(self, weights: AdapterWeights, tmp: Path, path: Path) -> tuple[dict[str, str], Optional[str]]:
         """The main process writes the adapter as one file (`ADAPTER_FILE`, what peft and SGLang load), its buckets
         read in turn; under ZeRO-3 every rank gathers each bucket (a collective), also after a failure here."""
-        main, tensors, error = self.accelerator.is_main_process, {}, None
-        for bucket in weights.buckets:
-            with weights.gathered(bucket, read=main) as part:
-                tensors.update(part)
+        main, error = self.accelerator.is_main_process, None
+        tensors = weights.gather_all(read=main)
         if main:
             try:
                 write_shard(tmp / ADAPTER_FILE, tensors)

@@ -450,3 +450,17 @@ def test_a_replica_killed_while_paused_loses_no_group(any_server, tiny_model, tm
 def test_in_flight_config_errors(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         in_flight_config(tmp_path, "http://x:1", **overrides)
+
+
+def test_the_default_bound_is_a_batch_per_step_of_staleness_allowed(tmp_path):
+    """`max_prompts_in_flight` unset: `max_weight_staleness` generation batches' prompts, at least two batches' (a
+    group read now is trained about that many steps later); what is set is kept."""
+    from open_r1_ext.trainer.generation import prompts_in_flight
+
+    groups = 8 // 4  # per_device_train_batch_size / num_generations
+    assert prompts_in_flight(in_flight_config(tmp_path, "http://x:1")) == 2 * groups  # staleness 0 -> 1
+    assert prompts_in_flight(in_flight_config(tmp_path, "http://x:1", max_weight_staleness=4)) == 4 * groups
+    assert prompts_in_flight(in_flight_config(tmp_path, "http://x:1", max_weight_staleness=4, steps_per_generation=2,
+                                              gradient_accumulation_steps=2)) == 4 * 2 * groups
+    assert prompts_in_flight(in_flight_config(tmp_path, "http://x:1", max_prompts_in_flight=3)) == 3
+    assert prompts_in_flight(in_flight_config(tmp_path, "http://x:1", in_flight_updates=False)) == 0

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -55,14 +56,13 @@ TARGET_SPEEDUP_VS_ONE_STEP = 1.25  # in-flight / one-step async, trained complet
 LONG_EVERY, LONG_FACTOR = 8, 8  # part 2: one completion in LONG_EVERY is LONG_FACTOR times longer
 TAIL_PROMPTS = 1  # part 2: prompts (groups of 8 completions) per step: generation is most of a sync step, as with
 # long generations on GPUs (with 2 the tiny model's training is as long as its generation here)
-IN_FLIGHT_PROMPTS = 4 * TAIL_PROMPTS  # part 2's in-flight side: max_prompts_in_flight (the default is 2x a batch's)
 IN_FLIGHT_STALENESS = 4  # part 2's in-flight side: a long completion spans a few steps; one-step async keeps 1
 BUSY_SPEEDUP = 1.5  # below this, two cores are not free: the host is too busy for the comparison to say much
 SKIPPED_STEPS = 2  # warm-up: the first step, and async's first batch (generated before training starts)
 
 
 def measure(model: Path, url: str, out: Path, mode: str, steps: int, completion_length: int,
-            long_tail: bool = False, prompts_in_flight: int = IN_FLIGHT_PROMPTS, transport: str = "disk") -> dict:
+            long_tail: bool = False, prompts_in_flight: Optional[int] = None, transport: str = "disk") -> dict:
     """Train `steps` steps in `mode` (`sync`, `async`, `in-flight`) with weight syncs over `transport` (`disk`, or
     `distributed`: gloo); the median wall seconds per step and of each `timing/*` part, and the trained completion
     tokens per second (all after the first `SKIPPED_STEPS` steps). With `long_tail`, the long-tailed workload of part 2
@@ -220,12 +220,13 @@ def spread(values: list[float]) -> str:
 
 
 def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, long_length: int,
-                   prompts_in_flight: int = IN_FLIGHT_PROMPTS) -> dict:
+                   prompts_in_flight: Optional[int] = None) -> dict:
     """Part 2: sync, one-step async and in-flight on the long-tailed workload, the last two also with `transport:
     distributed` (gloo), each once per round in a rotated order; prints its tables, returns its `inflight.*` figures."""
     from open_r1_ext.sglang_client import SGLangClient
 
     runs = itertools.count()
+    bound = prompts_in_flight or max(2, IN_FLIGHT_STALENESS) * TAIL_PROMPTS  # the trainer's default when None
 
     def side(mode: str, transport: str):
         def run() -> dict:
@@ -254,7 +255,8 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
     print(f"Part 2: tiny model, {8 * TAIL_PROMPTS} completions ({TAIL_PROMPTS} prompt(s) x 8) per step, one completion "
           f"in {LONG_EVERY} {long_length} tokens long, the rest {short} (ignore_eos); {steps} steps per side and round (the first "
           f"{SKIPPED_STEPS} not timed), {rounds} round(s) in rotated order; in-flight with max_weight_staleness="
-          f"{IN_FLIGHT_STALENESS} and max_prompts_in_flight={prompts_in_flight}, one-step async with 1")
+          f"{IN_FLIGHT_STALENESS} and max_prompts_in_flight={bound}{'' if prompts_in_flight else ' (the default)'}, "
+          "one-step async with 1")
     for name, runs in results.items():
         last = runs[-1]
         print(f"  {name}: trained completions {statistics.median(r['mean_completion_length'] for r in runs):.1f} tokens "
@@ -303,7 +305,8 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
         "inflight.in_flight_vs_sync": median["in-flight"] / median["sync"],
         "inflight.target": TARGET_SPEEDUP_VS_ONE_STEP, "inflight.met": met, "inflight.distributed_met": distributed_met,
         "inflight.rounds": rounds,
-        "inflight.max_weight_staleness": IN_FLIGHT_STALENESS, "inflight.max_prompts_in_flight": prompts_in_flight,
+        "inflight.max_weight_staleness": IN_FLIGHT_STALENESS, "inflight.max_prompts_in_flight": bound,
+        "inflight.default_bound": prompts_in_flight is None,
         "inflight.machine_parallel_speedup": machine, "inflight.round_machine_parallel_speedup": speedups_machine,
         "inflight.host_busy": machine < BUSY_SPEEDUP,
         **{f"inflight.last_round.{key}.{part}": value for name, (_, _, key) in IN_FLIGHT_SIDES.items()
@@ -320,8 +323,9 @@ def main() -> None:
                         help=f"part 2's long completions (the others: this / {LONG_FACTOR})")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of each part; default 3, 1 with --quick")
     parser.add_argument("--part", choices=("async", "in-flight", "both"), default="both")
-    parser.add_argument("--prompts-in-flight", type=int, default=IN_FLIGHT_PROMPTS,
-                        help="part 2's in-flight side: max_prompts_in_flight (the trainer's default is 2, twice a batch's)")
+    parser.add_argument("--prompts-in-flight", type=int, default=None,
+                        help="part 2's in-flight side: max_prompts_in_flight (the trainer's default here: "
+                             f"{max(2, IN_FLIGHT_STALENESS)}, max_weight_staleness batches' worth)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rounds = args.rounds or (1 if args.quick else 3)

@@ -193,8 +193,10 @@ class RemoteGRPOConfig(GRPOConfig):
         max_prompts_in_flight (`int` or `None`, *optional*, defaults to `None`):
             With `in_flight_updates`: the most prompts a trainer process has read from the data and not yet handed to
             a training step (sent to a server, or complete and waiting), each a group of `num_generations`
-            completions; None is twice the prompts of a generation batch. More keeps the servers busier through
-            long completions, at the price of staleness; at least the prompts of one generation batch.
+            completions; None is `max_weight_staleness` generation batches' prompts, at least two batches' (a group
+            read now is trained about that many steps later). More keeps the servers busier through long
+            completions, at the price of staleness (groups dropped as too stale); at least the prompts of one
+            generation batch.
 
         > Dynamic sampling (DAPO)
 
@@ -341,8 +343,8 @@ class RemoteGRPOConfig(GRPOConfig):
     )
     max_prompts_in_flight: Optional[int] = field(
         default=None,
-        metadata={"help": "With in_flight_updates: prompts read and not yet trained, per process (default: twice a "
-                          "generation batch's).", **SYNC},
+        metadata={"help": "With in_flight_updates: prompts read and not yet trained, per process (default: "
+                          "max_weight_staleness generation batches' worth, at least two).", **SYNC},
     )
 
     dynamic_sampling: bool = field(

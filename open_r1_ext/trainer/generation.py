@@ -52,12 +52,13 @@ def server_client(args: RemoteGRPOConfig, url: Union[str, list[str], None], dire
 
 
 def prompts_in_flight(args: RemoteGRPOConfig) -> int:
-    """With `in_flight_updates`, the prompts a process keeps read and untrained (`max_prompts_in_flight`, default twice
-    a generation batch's); else 0."""
+    """With `in_flight_updates`, the prompts a process keeps read and untrained (`max_prompts_in_flight`; by default
+    `max_weight_staleness` generation batches' worth, at least two: a group read now is trained about that many steps
+    later, its staleness about one less, which leaves its completions a step to be long in); else 0."""
     if not args.in_flight_updates:
         return 0
     groups = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
-    return args.max_prompts_in_flight or 2 * groups
+    return args.max_prompts_in_flight or max(2, args.max_weight_staleness) * groups
 
 
 def remote_generation(trainer, weight_sync: WeightSync, in_flight_kind: Optional[type] = None) -> Optional["RemoteGeneration"]:

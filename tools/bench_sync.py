@@ -707,11 +707,12 @@ def zero3_worker(path: Path, work: Path, repeats: int, out: Path, url: str) -> N
 def leave(accelerator) -> None:
     """End a ZeRO-3 worker once its figures are written: both ranks leave together (none exits while the other still
     works), the process group is destroyed, and the process exits without the interpreter's teardown of the gloo and
-    DeepSpeed objects. A rank of torch 2.13 aborted in it, "terminate called without an active exception", once in a
-    suite run with the group still up (then destroyed: not seen again in 10 runs) and once more with it destroyed
-    while the other rank still wrote these figures (not reproduced in 70 runs of this worker, quiet or beside two busy
-    loops): every figure is written by then, so nothing is lost by skipping it. PYTHONFAULTHANDLER (`zero3_figures`)
-    prints every thread's stack should a rank abort anyway."""
+    DeepSpeed objects. A rank of torch 2.13 aborted at its end, "terminate called without an active exception", in
+    two suite runs, once with the group still up and once with it destroyed while the other rank still wrote these
+    figures; neither was reproduced (57 runs of this worker or a cut-down copy and 12 of the whole benchmark, quiet or
+    beside two busy loops), so this removes the likeliest cause, not a proven one. Every figure is written by then:
+    nothing is lost by skipping the teardown. PYTHONFAULTHANDLER (`zero3_figures`) prints every thread's stack should
+    a rank abort anyway."""
     accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()

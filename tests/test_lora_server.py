@@ -274,6 +274,10 @@ def test_adapters_the_server_cannot_serve_are_refused_by_name(lora_server, weigh
                                          torch.zeros(4, 64)}, "tensors that fit no module"),
         "missing-tensor": ({}, lambda t: {k: v for k, v in t.items() if "layers.1.mlp.down_proj.lora_B" not in k},
                            "no tensor for base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"),
+        # values of the wrong type, which peft meets building the modules (HTTP 500 before, as a TypeError)
+        "alpha-string": ({"lora_alpha": "x"}, None, "unsupported operand type(s)"),
+        "rank-string": ({"r": "16"}, None, "not a readable PEFT config"),
+        "targets-number": ({"target_modules": 5}, None, "'int' object is not iterable"),
     }
     for name, (config_changes, tensor_change, words) in broken.items():
         shutil.copytree(weights / "step-1", weights / name)
@@ -291,7 +295,7 @@ def test_adapters_the_server_cannot_serve_are_refused_by_name(lora_server, weigh
         tensors, config = adapter_tensors(weights / name)
         with pytest.raises(ServerRequestError, match="refused the LoRA adapter bad from tensors") as err:
             lora_server.load_lora_adapter_from_tensors("bad", tensors, config)
-        field = "config_dict" if name in ("dora", "saved-modules", "not-lora") else "serialized_named_tensors"
+        field = "serialized_named_tensors" if name in ("other-rank", "nan", "stray-tensor", "missing-tensor") else "config_dict"
         assert err.value.status_code == 400 and f"{field}: " in str(err.value) and words in str(err.value), name
     assert lora_server.post_json("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})  # still serving
     assert lora_server.load_lora_adapter("good", str(weights / "step-1"))["loaded_adapters"] == {"good": str(weights / "step-1")}

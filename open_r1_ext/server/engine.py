@@ -333,6 +333,7 @@ class ModelEngine:
         weights = {name: tensor.to(self.device) for name, tensor in tensors.items()}
         adapter = next((a for a, kept in self._retired.items() if _same_layers(kept, config)), None)
         reused = adapter is not None
+        where = config_source  # the modules are built from the config, then take the tensors
         try:
             if reused:  # a retired adapter's modules take these weights: no new modules to build
                 del self._retired[adapter]
@@ -343,14 +344,16 @@ class ModelEngine:
                     self.peft = PeftModel(self.model, config, adapter_name=adapter)
                 else:
                     self.peft.add_adapter(adapter, config)
+            where = tensors_source
             result = set_peft_model_state_dict(self.peft, weights, adapter_name=adapter)
             self._check_adapter(tensors_source, adapter, result)
-        except (RuntimeError, ValueError, OSError) as err:  # e.g. no such module, a tensor of another shape
+        except Exception as err:  # noqa: BLE001 - the adapter's fault: no such module, a config value of the wrong
+            # type (a string for `lora_alpha`: peft meets it building the modules), a tensor of another shape, ...
             if self.peft is not None and adapter in self.peft.peft_config:
                 self.peft.delete_adapter(adapter)
             if isinstance(err, WeightFileError):
                 raise
-            raise WeightFileError(f"{tensors_source}: {err}") from err
+            raise WeightFileError(f"{where}: {err}") from err
         finally:
             (self.model if self.peft is None else self.peft).eval()  # as peft's `load_adapter` leaves it
         if not reused:  # peft needs one active (a walk over every module); each row names its own anyway
@@ -376,17 +379,18 @@ class ModelEngine:
         kind = raw.get("peft_type") if isinstance(raw, dict) else None
         if kind != "LORA":
             raise WeightFileError(f"{where}: peft_type {kind!r}; the server takes LoRA adapters only")
-        try:  # as `LoraConfig.from_pretrained` builds it from the file
+        try:  # as `LoraConfig.from_pretrained` builds it from the file; a value of the wrong type fails here or below
             config = LoraConfig.from_peft_type(**LoraConfig.check_kwargs(**raw))
-        except (ValueError, TypeError, AttributeError, KeyError) as err:
+            rank = max([config.r, *(config.rank_pattern or {}).values()])
+            too_high = rank > self.lora.max_rank
+        except Exception as err:  # noqa: BLE001 - the config's fault, whatever peft raises for it
             raise WeightFileError(f"{where}: not a readable PEFT config: {err}") from err
         if config.use_dora:
             raise WeightFileError(f"{where}: a DoRA adapter (use_dora); the server takes plain LoRA")
         if config.modules_to_save:
             raise WeightFileError(f"{where}: modules_to_save {config.modules_to_save}: whole modules "
                                   "trained beside the adapter are not served; train the adapter without them")
-        rank = max([config.r, *(config.rank_pattern or {}).values()])
-        if rank > self.lora.max_rank:
+        if too_high:
             raise WeightFileError(f"{where}: rank {rank} is above the server's --max-lora-rank "
                                   f"{self.lora.max_rank}; start the server with --max-lora-rank {rank} or more")
         return config

@@ -24,7 +24,9 @@ LoRA (r=16 on all linear layers, its B matrices made non-zero as after training)
 `--enable-lora`; its first adapter comes after the measurements above): a weight sync of the adapter alone
 (`WeightSync` with `adapter_only`: dump + `/load_lora_adapter`, as the trainer pushes it) vs the merged full dump
 of the same policy (dump + `/update_weights_from_disk`): bytes written and seconds per sync (targets <= 5% of the
-bytes, <= 20% of the time), alternating, medians.
+bytes, <= 20% of the time), alternating, medians; beside them the adapter sent in the request, no file (issue #34:
+gathered as for its dump, then `/load_lora_adapter_from_tensors`): the payload's bytes and seconds, against the
+adapter dump's (`sync.lora.tensors_*`).
 
 Over the network (`sync.transport: distributed`, issue #22; a second built-in server beside the first): seconds and
 bytes written to the sync directory per sync of the same policy through `WeightSync`, to one replica and to a pool

@@ -241,6 +241,7 @@ class AdapterWeights(PolicyWeights):
         return {key: sorted(value) if isinstance(value, set) else value for key, value in config.to_dict().items()}
 
     def save_config(self, directory: Path) -> None:
+        """Write `config_dict()` as `directory/adapter_config.json`."""
         (directory / ADAPTER_CONFIG).write_text(json.dumps(self.config_dict(), indent=2, sort_keys=True))
 
 

@@ -15,6 +15,7 @@ import base64
 import binascii
 import io
 import pickle
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,15 @@ import torch
 _REBUILD = ("torch._utils", "_rebuild_tensor_v2")
 _STORAGE = ("torch.storage", "_load_from_bytes")
 _HOOKS = ("collections", "OrderedDict")
+
+
+@dataclass(eq=False)  # one adapter sent: compared by identity, as a dump by its path
+class AdapterTensors:
+    """A LoRA adapter held in memory to be sent (`/load_lora_adapter_from_tensors`), not written: its tensors as peft
+    names them in `adapter_model.safetensors`, and its `adapter_config.json` (`config`)."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict
 
 
 def serialize_named_tensors(tensors: dict[str, torch.Tensor]) -> str:

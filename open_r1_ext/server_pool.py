@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union
 
 from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.sglang_client import (BUSY, DEFAULT_BACKOFF_FACTOR, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_REQUEST_TIMEOUT,
@@ -30,6 +30,12 @@ from open_r1_ext.wait_progress import WaitProgress
 
 if TYPE_CHECKING:
     import torch
+
+    from open_r1_ext.named_tensors import AdapterTensors
+
+    # where a LoRA adapter comes from: its directory (`/load_lora_adapter`), or its tensors
+    # (`/load_lora_adapter_from_tensors`)
+    AdapterSource = Union[str, AdapterTensors]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,7 +79,7 @@ class Replica:
         self.name, self.url, self.client = name, url, client
         self.state = JOINING
         self.version: Optional[str] = None  # the weight version it last confirmed
-        self.adapters: dict[str, str] = {}  # LoRA adapters it loaded: name -> path
+        self.adapters: dict[str, AdapterSource] = {}  # LoRA adapters it loaded: name -> where from
         self.outstanding = 0  # tokens of the requests in flight to it
         self.reason: Optional[str] = None  # why it was dropped
         self.behind = False  # answered without the weights the trainer pushed: waits to be sent them
@@ -146,7 +152,7 @@ class ServerPool:
                                      max_batch_tokens=max_batch_tokens, max_concurrency=max_concurrency)
         self._replicas: dict[str, Replica] = {}
         self._weights: Optional[_Weights] = None
-        self._adapters: dict[str, str] = {}  # the LoRA adapters every replica holds: name -> path, in load order
+        self._adapters: dict[str, AdapterSource] = {}  # the LoRA adapters every replica holds, in load order
         self._updating = 0  # weight operations in progress (replicas are then between two versions)
         self._lock = threading.RLock()
         self._scanned_at = -math.inf
@@ -285,12 +291,12 @@ class ServerPool:
                 for name in [n for n in replica.adapters if n not in adapters]:
                     replica.client.unload_lora_adapter(name)
                     del replica.adapters[name]
-                for name, path in adapters.items():
-                    if replica.adapters.get(name) != path:
+                for name, source in adapters.items():
+                    if not _same_adapter(replica.adapters.get(name), source):
                         if returning or name in replica.adapters:
                             _ignore_refusal(replica.client.unload_lora_adapter, name)
-                        replica.client.load_lora_adapter(name, path)
-                        replica.adapters[name] = path
+                        load_adapter(replica.client, name, source)
+                        replica.adapters[name] = source
             with self._lock:
                 if self._replicas.get(replica.name) is not replica:
                     return  # it left the pool meanwhile
@@ -307,7 +313,7 @@ class ServerPool:
         """Whether `replica` holds the pool's weights and adapters (else it is not served from)."""
         weights = self._weights
         return ((weights is None or weights.version is None or replica.version == weights.version)
-                and all(replica.adapters.get(name) == path for name, path in self._adapters.items()))
+                and all(_same_adapter(replica.adapters.get(name), source) for name, source in self._adapters.items()))
 
     def _drop(self, replica: Replica, error: BaseException) -> None:
         with self._lock:
@@ -602,10 +608,20 @@ class ServerPool:
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """Every serving replica loads the adapter (replayed to each replica that joins later)."""
-        answers = self._on_every_replica(lambda client: client.load_lora_adapter(lora_name, lora_path),
-                                         lambda replica, _: replica.adapters.__setitem__(lora_name, lora_path))
+        return self._load_everywhere(lora_name, lora_path)
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config: dict) -> dict:
+        """Every serving replica loads the adapter sent as tensors (kept here, and sent again to each replica that
+        joins later)."""
+        from open_r1_ext.named_tensors import AdapterTensors
+
+        return self._load_everywhere(lora_name, AdapterTensors(tensors, config))
+
+    def _load_everywhere(self, lora_name: str, source: AdapterSource) -> dict:
+        answers = self._on_every_replica(lambda client: load_adapter(client, lora_name, source),
+                                         lambda replica, _: replica.adapters.__setitem__(lora_name, source))
         with self._lock:
-            self._adapters[lora_name] = lora_path
+            self._adapters[lora_name] = source
         return {"success": True, "message": f"{len(answers)} replica(s) loaded adapter {lora_name}", "replicas": answers}
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
@@ -724,6 +740,18 @@ def _short(error: BaseException) -> str:
     text = str(error).splitlines()[0]
     cause = re.search(r"\[Errno -?\d+\] [^'\")]+", text)
     return f"{text.split(': ', 1)[0]}: {cause.group(0)}" if cause and "no answer" in text else text
+
+
+def _same_adapter(held: Optional[AdapterSource], source: AdapterSource) -> bool:
+    """Whether a replica holds the adapter `source`: the same directory, or the very tensors sent."""
+    return held is source or (isinstance(source, str) and held == source)
+
+
+def load_adapter(client: SGLangClient, name: str, source: AdapterSource) -> dict:
+    """Load the adapter `source` (a directory, or `AdapterTensors`) on one server under `name`."""
+    if isinstance(source, str):
+        return client.load_lora_adapter(name, source)
+    return client.load_lora_adapter_from_tensors(name, source.tensors, source.config)
 
 
 def _ignore_refusal(fn: Callable[..., Any], *args: Any) -> None:

@@ -49,6 +49,7 @@ class FakeSGLang:
         self.reload_s, self.busy_health_s = reload_s, busy_health_s
         self.reloading = threading.Event()
         self.adapters: OrderedDict[str, str] = OrderedDict()  # loaded: name -> path (lora_registry.py ~89)
+        self.sent_adapters: dict[str, list[str]] = {}  # loaded from tensors: name -> serialized_named_tensors
         self.ever_loaded: dict[str, str] = {}  # tokenizer_manager.py's lora_ref_cache: never cleared on unload
         self.calls: list[tuple[str, str, Optional[dict], Optional[str]]] = []
         self.lock = threading.Lock()
@@ -187,6 +188,18 @@ class FakeSGLang:
         self.adapters[name] = self.ever_loaded[name] = path
         return self._lora_result()
 
+    def load_lora_adapter_from_tensors(self, body: dict) -> tuple[int, dict]:
+        """As `load_lora_adapter`, the adapter in the body (io_struct.py ~2548-2569: listed as `__tensor__`); the fake
+        keeps the payload it got in `sent_adapters`."""
+        if not self.enable_lora:
+            return self._lora_result(LORA_DISABLED, adapters=False)
+        name = body["lora_name"]
+        if name in self.adapters:
+            return self._lora_result(f"Failed to load LoRA adapter {name} because it is already loaded")
+        self.adapters[name] = self.ever_loaded[name] = "__tensor__"
+        self.sent_adapters[name] = body["serialized_named_tensors"]
+        return self._lora_result()
+
     def unload_lora_adapter(self, body: dict) -> tuple[int, dict]:
         """tokenizer_control_mixin.py ~634-657, ~831-860; lora_registry.py ~109-124 for an unknown name."""
         if not self.enable_lora:
@@ -216,6 +229,7 @@ class FakeSGLang:
                   ("POST", "/v1/completions"): lambda: self.completions(body),
                   ("POST", "/update_weights_from_disk"): lambda: self.update_weights_from_disk(body),
                   ("POST", "/load_lora_adapter"): lambda: self.load_lora_adapter(body),
+                  ("POST", "/load_lora_adapter_from_tensors"): lambda: self.load_lora_adapter_from_tensors(body),
                   ("POST", "/unload_lora_adapter"): lambda: self.unload_lora_adapter(body),
                   ("POST", "/flush_cache"): lambda: (200, "Cache flushed.\n")}
         route = routes.get((method, path))

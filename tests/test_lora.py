@@ -4,6 +4,8 @@ that peft and the servers load; the server samples with it by name, and the refe
 import json
 import logging
 import signal
+import threading
+import time
 from pathlib import Path
 
 import peft
@@ -227,6 +229,56 @@ def test_a_restarted_server_gets_the_adapter_again_and_async_keeps_the_adapters_
             restart.restarted.stop()
 
 
+def test_over_the_network_adapters_go_in_the_request_and_a_restarted_server_is_sent_them_again(tiny_model, tmp_path,
+                                                                                                 caplog):
+    """`transport: distributed` with a PEFT policy: each sync sends the step's adapter in the request
+    (`/load_lora_adapter_from_tensors`), nothing is written to `sync_dir`, and the server samples with it as the
+    trainer's policy. The server restarts after step 2's sync, losing it: the next batch, naming policy-v2, is refused,
+    and the main process sends the adapter it kept again. Then async generation keeps the newest two adapters."""
+    server = BuiltinServer(str(tiny_model), log_path=str(tmp_path / "server.log"), extra_args=("--no-ref-slot", *LORA_FLAGS))
+    restart = RestartServer(server.start(), step=2)
+    try:
+        trainer = lora_trainer(tiny_model, tmp_path / "run", server.url, max_steps=3, save_strategy="steps",
+                               save_steps=3, transport="distributed")
+        assert trainer.weight_sync.adapter_only and trainer.remote_generation.target.distributed
+        check = ServerMatchesPolicy(trainer, server.url)
+        trainer.add_callback(check)
+        trainer.add_callback(restart)
+        with caplog.at_level(logging.WARNING):
+            trainer.train()
+        assert "lost the adapter of weight_version 2" in caplog.text and "sending it again" in caplog.text
+        assert check.checked == [1, 2, 3] and check.policy_diff <= 1e-5 and check.reference_diff <= 1e-5
+        assert check.adapter_effect > 1e-3  # the adapters trained: sampling with the base model would not pass
+        log = [json.loads(line) for line in (tmp_path / "run" / "weight_sync.jsonl").read_text().splitlines()]
+        assert [(e["step"], e["weight_version"], e["path"]) for e in log] == [(1, "1", None), (2, "2", None), (3, "3", None)]
+        assert not (tmp_path / "run" / "weights").exists()  # no dump: sync_dir was never made
+        rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+        assert [(r["step"], r["weight_version"]) for r in rollouts] == [(1, 0), (2, 1), (3, 2)]
+
+        resumed = lora_trainer(tiny_model, tmp_path / "run", server.url, max_steps=6, async_generation=True,
+                               transport="distributed")
+        # the batches read ahead take long, so that each step's sync (sent from the training thread) lands while one
+        # is sampled with the adapter before it: that batch is one step stale, not a server that lost its weights
+        client, sample = resumed.remote_generation.client, resumed.remote_generation.client.generate
+
+        def slow(*args, **kwargs):
+            answer = sample(*args, **kwargs)
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(1.0)
+            return answer
+
+        client.generate = slow
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+        rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+        assert [r["staleness"] for r in rollouts][3:] and max(r["staleness"] for r in rollouts[3:]) <= 1
+        assert sorted(loaded_adapters(SGLangClient(server.url))) == ["policy-v5", "policy-v6"]
+        assert not (tmp_path / "run" / "weights").exists()
+    finally:
+        server.stop()
+        if restart.restarted is not None:
+            restart.restarted.stop()
+
+
 def test_a_lora_recipe_starts_its_generation_server_for_adapters(tiny_model):
     """`model.use_peft`: the generation server's command gets the LoRA flags (rank, modules; `all` for `all-linear`),
     the built-in one no `/ref` slot, and the reference in an SGLang generation server is its base model."""
@@ -254,6 +306,8 @@ def test_a_lora_recipe_starts_its_generation_server_for_adapters(tiny_model):
 @pytest.mark.parametrize("settings, lora, message", [
     (dict(sync_ref_model=True, ref_model_url="http://127.0.0.1:9"), {}, "sync_ref_model=True with a PEFT policy"),
     (dict(generation_url="http://127.0.0.1:9"), dict(use_dora=True), "plain LoRA adapters, not this LoraConfig"),
+    (dict(generation_url="http://127.0.0.1:9", transport="distributed", async_generation=True, in_flight_updates=True),
+     {}, "an in-flight update of a LoRA adapter sent in the request"),
 ])
 def test_what_adapter_sync_refuses_before_training(tiny_model, tmp_path, settings, lora, message):
     """A reference sync (the reference is the base model: TRL refuses it too) and adapters no server loads (DoRA)."""

@@ -174,6 +174,35 @@ def test_a_replica_busy_with_a_long_reload_stays_in_the_pool(monkeypatch):
         assert a.paths("POST").count("/update_weights_from_disk") == 2  # the pool's update, then one catch-up
 
 
+def test_a_joiner_is_sent_the_adapters_the_pool_loaded_from_tensors(tmp_path, monkeypatch):
+    """An adapter sent as tensors (`transport: distributed` with LoRA) is kept by the pool and sent, the same payload,
+    to a replica that joins later, before it serves."""
+    import torch
+
+    from open_r1_ext.named_tensors import deserialize_named_tensors
+
+    monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.1)
+    addresses = tmp_path / "replicas" / "server"
+    tensors, config = {"x.lora_A.weight": torch.arange(6.0).reshape(2, 3)}, {"peft_type": "LORA", "r": 2}
+    with FakeSGLang(enable_lora=True) as a, FakeSGLang(enable_lora=True) as b:
+        write_address(addresses, "101", a.url)
+        pool = ServerPool(directory=str(addresses))
+        pool.wait_until_healthy(timeout=10)
+        pool.load_lora_adapter_from_tensors("policy-v5", tensors, config)
+        write_address(addresses, "102", b.url)
+        deadline = time.monotonic() + 10
+        while "102" not in (pool.served_by() or ()) and time.monotonic() < deadline:
+            pool.generate([[1, 2], [3, 4]], SAMPLING, lora_path="policy-v5")
+            time.sleep(0.05)
+        assert "102" in pool.served_by() and pool.replicas_holding("policy-v5") == ["101", "102"]
+        paths = b.paths("POST")
+        assert paths.index("/load_lora_adapter_from_tensors") < paths.index("/generate")
+        assert dict(b.adapters) == {"policy-v5": "__tensor__"}
+        sent = deserialize_named_tensors(b.sent_adapters["policy-v5"][0])
+        assert sent.keys() == tensors.keys() and torch.equal(sent["x.lora_A.weight"], tensors["x.lora_A.weight"])
+        assert a.paths("POST").count("/load_lora_adapter_from_tensors") == 1  # sent once to the replica that had it
+
+
 def test_a_joiner_is_brought_to_the_pools_weights_and_adapters_before_it_serves(tmp_path, monkeypatch):
     monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.1)
     addresses, adapter = tmp_path / "replicas" / "server", tmp_path / "adapter"

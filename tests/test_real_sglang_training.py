@@ -279,13 +279,15 @@ def test_in_flight_adapter_only_lora_sync(pair, tiny_model, tmp_path):
     check_in_flight_lora(tiny_model, pair["b"].url, tmp_path)
 
 
-def test_adapter_only_lora_sync(pair, tiny_model, tmp_path):
+@pytest.mark.parametrize("transport", ["disk", "distributed"])
+def test_adapter_only_lora_sync(pair, tiny_model, tmp_path, transport):
     """A PEFT policy against `b` for generation and the reference: each sync loads the step's adapter alone
-    (`policy-vN`), with which SGLang samples as the trainer's policy; the reference is its base model; the previous
-    adapter is unloaded. SGLang's LoRA on the CPU needs the pin_memory fix of tools/sglang_cpu/sitecustomize.py and
-    `--lora-backend torch_native` (`sglang_cpu_args`)."""
+    (`policy-vN`; its dump, or with `transport: distributed` its tensors in the request, no file), with which SGLang
+    samples as the trainer's policy; the reference is its base model; the previous adapter is unloaded. SGLang's LoRA
+    on the CPU needs the pin_memory fix of tools/sglang_cpu/sitecustomize.py and `--lora-backend torch_native`
+    (`sglang_cpu_args`)."""
     b = pair["b"]
-    trainer = lora_trainer(tiny_model, tmp_path, b.url, max_steps=3)
+    trainer = lora_trainer(tiny_model, tmp_path, b.url, max_steps=3, transport=transport)
     assert trainer.weight_sync.adapter_only and trainer.ref_model.client.base_url == b.url
     check = ServerMatchesPolicy(trainer, b.url, sglang=True)
     trainer.add_callback(check)
@@ -294,8 +296,11 @@ def test_adapter_only_lora_sync(pair, tiny_model, tmp_path):
     assert check.adapter_effect > 5 * ATOL, check.adapter_effect  # sampling with the base model would not pass
     log = read_jsonl(tmp_path / "weight_sync.jsonl")
     assert [(e["step"], e["weight_version"]) for e in log] == [(1, "1"), (2, "2"), (3, "3")]
-    assert sorted(p.name for p in (tmp_path / "weights" / "step-3").iterdir()) == sorted([ADAPTER_FILE, ADAPTER_CONFIG,
-                                                                                         MANIFEST])
+    if transport == "disk":
+        assert sorted(p.name for p in (tmp_path / "weights" / "step-3").iterdir()) == sorted([ADAPTER_FILE,
+                                                                                             ADAPTER_CONFIG, MANIFEST])
+    else:
+        assert not (tmp_path / "weights").exists() and [e["path"] for e in log] == [None] * 3
     rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
     assert [(r["step"], r["weight_version"]) for r in rollouts] == [(1, 0), (2, 1), (3, 2)]  # each step's adapter
 

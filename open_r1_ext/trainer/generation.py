@@ -202,7 +202,9 @@ class RemoteGeneration:
         policy (`_can_push_here`). The weights of the last sync go to those servers; if the policy changed since
         (`weight_sync_steps > 1`), every server gets the current one, a sync (only collectively, or in one process)."""
         target, trainer = self.target, self.trainer
-        if target is None or not target.distributed or target.version is None or self._catching_up:
+        # (an adapter sent in the request is sent again to a server that answers it does not hold it,
+        # `_sample_with_adapter`; a pool replays it to a replica that joins)
+        if target is None or not target.distributed or target.adapter or target.version is None or self._catching_up:
             return
         plan, error = None, None
         if trainer.accelerator.is_main_process:
@@ -292,9 +294,12 @@ class RemoteGeneration:
             with self.trainer.step_timer.part("generate"):  # async: on the rollout thread, beside the step
                 completions = sample()
                 target = self.target
-                if target is not None and any(is_partial(c.weight_version) or version_number(c.weight_version)
-                                              < version_number(target.version)
-                                              for c in completions if c.weight_version is not None):
+                # (a target of adapters: a server that lost one refuses the request naming it, `_sample_with_adapter`;
+                # a batch sampled with the base model before the first sync says "default", and async generation
+                # may read a sync that came after it)
+                if target is not None and not target.adapter and any(
+                        is_partial(c.weight_version) or version_number(c.weight_version) < version_number(target.version)
+                        for c in completions if c.weight_version is not None):
                     # the server restarted and lost our weights: reload (or send) them, sample again
                     self._restore() if target.distributed else self.weight_sync.repush(target)
                     completions = sample()

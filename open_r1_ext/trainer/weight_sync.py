@@ -31,10 +31,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
+from open_r1_ext.named_tensors import AdapterTensors
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.weight_broadcast import DEFAULT_TIMEOUT_S, WeightBroadcast, resolve_backend
@@ -81,6 +82,7 @@ class SyncTarget:
     keep_adapters: int = 1
     loaded: list[str] = field(default_factory=list)
     distributed: bool = False  # sent over the network (`WeightSync.send`), not dumped
+    sent: Optional[AdapterTensors] = None  # `distributed` with `adapter`: the adapter last confirmed, kept to send again
 
     def version_for(self, step: int) -> str:
         return str(step) if self.role == "generation" else f"ref-{step}"
@@ -309,7 +311,10 @@ class WeightSync:
         in the dump's walk; returns None or the error. Every rank calls it when `collective` (under ZeRO-3 every
         bucket is gathered everywhere, and the outcome is shared); else only the main process, which must hold the
         whole policy. `only` (replica names, or URLs): a catch-up of those servers to the target's version, which stays
-        the same; else a sync, which every server confirms."""
+        the same; else a sync, which every server confirms. A target of adapters is sent the adapter in the request
+        instead (`send_adapter`)."""
+        if target.adapter:
+            return self.send_adapter(model, step, target, collective)
         weights = PolicyWeights(self.accelerator, model, self.bucket_bytes)
         version = target.version_for(step)
         update, error, push = None, None, None
@@ -329,6 +334,28 @@ class WeightSync:
             error = self.broadcast_from_main(error)
         if error is None and only is None:
             self.confirm([target], None, step)
+        return error
+
+    def send_adapter(self, model, step: int, target: SyncTarget, collective: bool = True,
+                     retire: bool = True) -> Optional[str]:
+        """Send `target`'s servers the policy's LoRA adapter in the request (`/load_lora_adapter_from_tensors`: no
+        file) under `adapter_name` of step `step`'s version; returns None or the error. Every rank calls it when
+        `collective` (under ZeRO-3 each bucket is gathered everywhere); the main process keeps the adapter it sent for
+        a server that loses it (`repush`). `retire`: see `push`."""
+        main = self.accelerator.is_main_process
+        weights = AdapterWeights(self.accelerator, model, self.bucket_bytes)
+        sent = AdapterTensors(weights.gather_all(read=main), weights.config_dict()) if main else None
+        error = None
+        if main:
+            try:
+                self.push(target, sent, target.version_for(step), retire)
+            except WeightSyncError as err:
+                error = str(err)
+        if collective:
+            error = self.broadcast_from_main(error)
+        if error is None:
+            self.confirm([target], None, step)
+            target.sent = sent
         return error
 
     def sender(self, clients: dict[str, SGLangClient]) -> WeightBroadcast:
@@ -525,8 +552,9 @@ class WeightSync:
         self._pending.append(future)
         return future
 
-    def push(self, target: SyncTarget, path: Path, version: str, retire: bool = True) -> None:
-        """Have `target` reload `path` and confirm `version`, else `WeightSyncError`. Retried only while the server
+    def push(self, target: SyncTarget, path: Union[Path, AdapterTensors], version: str, retire: bool = True) -> None:
+        """Have `target` reload `path` (a dump; for a target of adapters also an adapter in memory, sent in the request)
+        and confirm `version`, else `WeightSyncError`. Retried only while the server
         answers (a refusal, another version); a server that does not answer has had the client's whole retry budget
         (`sglang_client.DEFAULT_MAX_RETRIES`), which is not spent again here. A target of adapters then unloads the
         ones beyond its newest `keep_adapters` (`retire_adapters`), unless not `retire` (the caller does it)."""
@@ -543,7 +571,9 @@ class WeightSync:
                 last = str(err)
             except ServerError as err:
                 raise WeightSyncError(f"the {target.role} server did not take the new weights: {err}") from err
-            logger.warning("%s server: reload of %s failed (attempt %d/%d): %s", target.role, path, attempt, self.reload_attempts, last)
+            logger.warning("%s server: reload of %s failed (attempt %d/%d): %s", target.role,
+                           path if isinstance(path, Path) else "the adapter sent as tensors", attempt, self.reload_attempts,
+                           last)
             if attempt < self.reload_attempts:
                 time.sleep(float(attempt))
         raise WeightSyncError(f"the {target.role} server did not take the new weights: {last}")
@@ -556,13 +586,17 @@ class WeightSync:
         return None if reported == version else f"the server reports weight_version {reported!r}, expected {version!r}"
 
     @staticmethod
-    def _load_adapter(target: SyncTarget, path: Path, version: str) -> None:
-        """`/load_lora_adapter` of `path` under `adapter_name(version)`, after unloading that name (left loaded when
-        a stopped run resumes at that step with the server still up: SGLang refuses a name twice)."""
+    def _load_adapter(target: SyncTarget, path: Union[Path, AdapterTensors], version: str) -> None:
+        """`/load_lora_adapter` of `path` (or `/load_lora_adapter_from_tensors` of an adapter in memory) under
+        `adapter_name(version)`, after unloading that name (left loaded when a stopped run resumes at that step with
+        the server still up: SGLang refuses a name twice)."""
         name = adapter_name(version)
         with contextlib.suppress(ServerRequestError):  # not loaded: the usual case
             target.client.unload_lora_adapter(name)
-        target.client.load_lora_adapter(name, str(path.resolve()))
+        if isinstance(path, AdapterTensors):
+            target.client.load_lora_adapter_from_tensors(name, path.tensors, path.config)
+        else:
+            target.client.load_lora_adapter(name, str(path.resolve()))
         target.loaded = [n for n in target.loaded if n != name] + [name]
 
     @staticmethod
@@ -579,6 +613,11 @@ class WeightSync:
     def repush(self, target: SyncTarget) -> None:
         """Reload the last confirmed dump (after a server restart lost it, or on resume); any rank may call it.
         Its checksums are verified first: after a crash, only they tell a damaged dump from a good one."""
+        if target.sent is not None:  # an adapter sent in the request: sent again
+            logger.warning("%s server at %s lost the adapter of weight_version %s (restarted?): sending it again",
+                           target.role, target.client.base_url, target.version)
+            self.push(target, target.sent, target.version)  # type: ignore[arg-type]
+            return
         if target.path is None:
             return
         logger.warning("%s server at %s lost weight_version %s (restarted?): reloading %s",

@@ -328,8 +328,6 @@ def test_a_bucket_of_mixed_types_is_laid_out_aligned():
 
 @pytest.mark.parametrize("overrides, key, message", [
     (["sync.transport=network"], "sync.transport", "choose one of disk, distributed"),
-    (["sync.transport=distributed", "model.use_peft=true", "sync.async_generation=true", "sync.in_flight_updates=true"],
-     "sync.transport", "an in-flight update of a LoRA adapter sent in the request is not built"),
     (["sync.transport=distributed", "servers.generation={engine: sglang, dp_size: 2, resources: {gpus_per_node: 2}}",
       "servers.reference=local"], "servers.generation.dp_size", "SGLang refuses distributed weight updates"),
     (["sync.transport=distributed", "servers.generation=local"], "sync.transport", "generation: local runs none"),

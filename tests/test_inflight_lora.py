@@ -5,6 +5,8 @@ SGLang 0.5.23 is in tests/test_real_sglang_training.py (its LoRA server)."""
 
 import json
 
+import pytest
+
 from open_r1_ext.protocol import Completion
 from open_r1_ext.sglang_client import SGLangClient
 from open_r1_ext.trainer.inflight import InFlightGeneration, continued
@@ -30,19 +32,21 @@ def test_an_aborted_completion_continued_keeps_the_version_of_each_token():
     assert again.weight_versions == [("2", 0, 3)] and again.versions == ["2"]
 
 
-def test_in_flight_lora_continues_the_completions_under_way_with_the_new_adapter(tiny_model, lora_server, tmp_path):
-    check_in_flight_lora(tiny_model, lora_server.url, tmp_path)
+@pytest.mark.parametrize("transport", ["disk", "distributed"])
+def test_in_flight_lora_continues_the_completions_under_way_with_the_new_adapter(tiny_model, lora_server, tmp_path,
+                                                                                transport):
+    check_in_flight_lora(tiny_model, lora_server.url, tmp_path, transport)
 
 
-def check_in_flight_lora(tiny_model, url: str, tmp_path) -> None:
+def check_in_flight_lora(tiny_model, url: str, tmp_path, transport: str = "disk") -> None:
     """4 prompts in flight, 2 a step: the long first group of each batch is under way at the syncs, which load the
-    step's adapter and abort it; it continues under the new adapter, spanning versions within the bound (2). Each
-    group trains once, the server ends with the last two adapters (also run on real SGLang:
-    test_real_sglang_training.py)."""
+    step's adapter (its dump; with `transport: distributed` its tensors in the request, no file) and abort it; it
+    continues under the new adapter, spanning versions within the bound (2). Each group trains once, the server ends
+    with the last two adapters (also run on real SGLang: test_real_sglang_training.py)."""
     trainer = lora_trainer(tiny_model, tmp_path, url, max_steps=3, per_device_train_batch_size=8, num_generations=4,
                            max_completion_length=256, async_generation=True, in_flight_updates=True,
                            max_weight_staleness=2, max_prompts_in_flight=4, beta=0.0,
-                           generation_kwargs={"ignore_eos": True})
+                           generation_kwargs={"ignore_eos": True}, transport=transport)
     assert isinstance(trainer.remote_generation, InFlightGeneration) and trainer.weight_sync.adapter_only
     shape_groups(trainer)
     trainer.train()
@@ -58,3 +62,5 @@ def check_in_flight_lora(tiny_model, url: str, tmp_path) -> None:
     syncs = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
     assert [e["weight_version"] for e in syncs] == ["1", "2", "3"]
     assert loaded_adapters(SGLangClient(url)) == ["policy-v2", "policy-v3"]
+    if transport == "distributed":  # nothing written
+        assert [e["path"] for e in syncs] == [None] * 3 and not (tmp_path / "weights").exists()

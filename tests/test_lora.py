@@ -306,8 +306,6 @@ def test_a_lora_recipe_starts_its_generation_server_for_adapters(tiny_model):
 @pytest.mark.parametrize("settings, lora, message", [
     (dict(sync_ref_model=True, ref_model_url="http://127.0.0.1:9"), {}, "sync_ref_model=True with a PEFT policy"),
     (dict(generation_url="http://127.0.0.1:9"), dict(use_dora=True), "plain LoRA adapters, not this LoraConfig"),
-    (dict(generation_url="http://127.0.0.1:9", transport="distributed", async_generation=True, in_flight_updates=True),
-     {}, "an in-flight update of a LoRA adapter sent in the request"),
 ])
 def test_what_adapter_sync_refuses_before_training(tiny_model, tmp_path, settings, lora, message):
     """A reference sync (the reference is the base model: TRL refuses it too) and adapters no server loads (DoRA)."""

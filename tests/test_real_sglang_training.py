@@ -273,10 +273,12 @@ def test_a_replica_killed_mid_run_comes_back_and_confirms_the_later_syncs(pair, 
     assert max_gap(final[a.url], forward_logprobs(tiny_model, SEQUENCES)) > 5 * ATOL
 
 
-def test_in_flight_adapter_only_lora_sync(pair, tiny_model, tmp_path):
-    """In-flight updates with adapter-only LoRA on `b`: the syncs abort the requests under way, which continue from
-    their tokens under the new adapter (`tests/test_inflight_lora.py`, as on the built-in server)."""
-    check_in_flight_lora(tiny_model, pair["b"].url, tmp_path)
+@pytest.mark.parametrize("transport", ["disk", "distributed"])
+def test_in_flight_adapter_only_lora_sync(pair, tiny_model, tmp_path, transport):
+    """In-flight updates with adapter-only LoRA on `b`: the syncs load the adapter (its dump, or its tensors in the
+    request) and abort the requests under way, which continue from their tokens under the new adapter
+    (`tests/test_inflight_lora.py`, as on the built-in server)."""
+    check_in_flight_lora(tiny_model, pair["b"].url, tmp_path, transport)
 
 
 @pytest.mark.parametrize("transport", ["disk", "distributed"])

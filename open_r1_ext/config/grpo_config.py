@@ -134,8 +134,8 @@ class RemoteGRPOConfig(GRPOConfig):
             (the main process broadcasts it over torch.distributed, SGLang's `/update_weights_from_distributed`, in
             buckets of `bucket_mb`: nothing is written to disk; the reference's syncs stay dumps). The servers must
             reach this process's address and ports; a server with `dp_size > 1` is refused (SGLang's rule); a LoRA
-            adapter is sent in the request instead (`/load_lora_adapter_from_tensors`; not with `in_flight_updates`);
-            OpenAI-compatible servers sync through the disk.
+            adapter is sent in the request instead (`/load_lora_adapter_from_tensors`); OpenAI-compatible servers
+            sync through the disk.
         distributed_backend (`str`, *optional*, defaults to `"auto"`):
             `"nccl"`, `"gloo"`, or `"auto"`: NCCL when the trainer is on a GPU and no server says it runs elsewhere
             (`/server_info` `device`), else gloo.

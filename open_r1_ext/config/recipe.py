@@ -897,7 +897,7 @@ def _check_servers(recipe: Recipe, problems: list) -> None:
 
 def _check_transport(recipe: Recipe, problems: list) -> None:
     """`sync.transport: distributed`: a generation server that takes a broadcast (SGLang refuses one with
-    `dp_size > 1`); with LoRA (its adapters sent in the request), not with in-flight updates."""
+    `dp_size > 1`)."""
     if recipe.setting("transport") != "distributed":
         return
     generation = recipe.servers.generation
@@ -908,11 +908,6 @@ def _check_transport(recipe: Recipe, problems: list) -> None:
         problems.append(("servers.generation.dp_size", f"{generation.dp_size} with sync.transport: distributed: SGLang "
                                                        "refuses distributed weight updates with data parallelism; set "
                                                        "dp_size 1 (replicas: N for more servers) or sync.transport: disk"))
-    if recipe.model.use_peft and recipe.setting("in_flight_updates"):
-        problems.append(("sync.transport", "distributed with model.use_peft and sync.in_flight_updates: an in-flight "
-                                           "update of a LoRA adapter sent in the request is not built; set "
-                                           "sync.transport: disk (in-flight adapter syncs through dumps), or drop "
-                                           "sync.in_flight_updates"))
 
 
 def _check_replicas(spec: ServerSpec, key: str, problems: list) -> None:

@@ -323,8 +323,12 @@ class InFlightGeneration(AsyncRemoteGeneration):
         it, as a reload; the main process's training thread waits for it all (`timing/reload_wait`). SGLang takes a
         distributed update at once while paused, its cache flushed with the retracted requests waiting. A server
         that does not answer the pause fails the broadcast too, which the main process enters all the same (a
-        collective). A failed sync is kept for `_wait_for_weights` to report."""
+        collective). A failed sync is kept for `_wait_for_weights` to report. A LoRA adapter goes in the request
+        instead, loaded beside the one in use, then the requests under way aborted, as after an adapter dump's load
+        (`_push_logged`)."""
         send = super()._send
+        if self.target.adapter:
+            return self._send_adapter(step, collective)
         if not self.trainer.accelerator.is_main_process:
             return send(step, only, collective)
         sent: list[Optional[str]] = []  # the broadcast's outcome, once it ran
@@ -339,6 +343,19 @@ class InFlightGeneration(AsyncRemoteGeneration):
         if only is None:
             self._update_error = None if sent[0] is None else f"weight sync of step {step} failed: {sent[0]}"
         return sent[0]
+
+    def _send_adapter(self, step: int, collective: bool) -> Optional[str]:
+        """`_send` of a LoRA adapter (`WeightSync.send_adapter`), the training thread waiting for it
+        (`timing/reload_wait`); then the main process aborts the requests under way (they continue under the new
+        adapter) and unloads the adapters beyond the newest ones."""
+        with self.trainer.step_timer.part("reload_wait"):
+            error = self.weight_sync.send_adapter(self.trainer.model, step, self.target, collective, retire=False)
+        if self.trainer.accelerator.is_main_process:
+            if error is None:
+                self._abort_in_flight(f"to continue them with the adapter of step {step}",
+                                      lambda: self.weight_sync.retire_adapters(self.target))
+            self._update_error = None if error is None else f"weight sync of step {step} failed: {error}"
+        return error
 
     def _restore_dump(self) -> None:
         """Update thread: give the generation server(s) the last confirmed dump again if they lost its weights."""

@@ -152,10 +152,6 @@ class RemoteGRPOTrainer(GRPOTrainer):
             atexit.register(leave_process_group)
 
         adapter_only = syncs_adapter(self.model, args)
-        if adapter_only and args.transport == "distributed" and args.in_flight_updates:
-            raise ValueError("transport='distributed' with a PEFT policy and in_flight_updates: an in-flight update of "
-                             "a LoRA adapter sent in the request (/load_lora_adapter_from_tensors) is not built; set "
-                             "transport='disk' (in-flight adapter syncs through dumps), or in_flight_updates=False")
         network = NetworkTransport(args.distributed_backend, args.distributed_timeout, args.distributed_master_address,
                                    args.distributed_port) if args.transport == "distributed" else None
         self.weight_sync = WeightSync(self.accelerator, args.sync_dir, args.keep_last_dumps,

@@ -747,8 +747,9 @@ def _same_adapter(held: Optional[AdapterSource], source: AdapterSource) -> bool:
     return held is source or (isinstance(source, str) and held == source)
 
 
-def load_adapter(client: SGLangClient, name: str, source: AdapterSource) -> dict:
-    """Load the adapter `source` (a directory, or `AdapterTensors`) on one server under `name`."""
+def load_adapter(client: Union[SGLangClient, ServerPool], name: str, source: AdapterSource) -> dict:
+    """Load the adapter `source` (a directory, or `AdapterTensors`) under `name` on one server (or every replica of a
+    pool)."""
     if isinstance(source, str):
         return client.load_lora_adapter(name, source)
     return client.load_lora_adapter_from_tensors(name, source.tensors, source.config)

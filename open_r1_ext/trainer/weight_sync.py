@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 
 from open_r1_ext.named_tensors import AdapterTensors
-from open_r1_ext.server_pool import ServerPool
+from open_r1_ext.server_pool import ServerPool, load_adapter
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
 from open_r1_ext.weight_broadcast import DEFAULT_TIMEOUT_S, WeightBroadcast, resolve_backend
 from open_r1_ext.weight_files import (DEFAULT_BUCKET_MB, WeightFileError, check_manifest, is_disk_full, publish,
@@ -593,10 +593,7 @@ class WeightSync:
         name = adapter_name(version)
         with contextlib.suppress(ServerRequestError):  # not loaded: the usual case
             target.client.unload_lora_adapter(name)
-        if isinstance(path, AdapterTensors):
-            target.client.load_lora_adapter_from_tensors(name, path.tensors, path.config)
-        else:
-            target.client.load_lora_adapter(name, str(path.resolve()))
+        load_adapter(target.client, name, path if isinstance(path, AdapterTensors) else str(path.resolve()))
         target.loaded = [n for n in target.loaded if n != name] + [name]
 
     @staticmethod

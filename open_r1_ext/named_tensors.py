@@ -27,11 +27,17 @@ _HOOKS = ("collections", "OrderedDict")
 
 @dataclass(eq=False)  # one adapter sent: compared by identity, as a dump by its path
 class AdapterTensors:
-    """A LoRA adapter held in memory to be sent (`/load_lora_adapter_from_tensors`), not written: its tensors as peft
-    names them in `adapter_model.safetensors`, and its `adapter_config.json` (`config`)."""
+    """A LoRA adapter held in memory to be sent (`/load_lora_adapter_from_tensors`), not written: its tensors
+    serialized once (`serialized`, one `serialized_named_tensors` entry), however many servers and retries it goes to,
+    and its `adapter_config.json` (`config`)."""
 
-    tensors: dict[str, torch.Tensor]
+    serialized: str
     config: dict
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], config: dict) -> "AdapterTensors":
+        """`tensors` as peft names them in `adapter_model.safetensors`, serialized."""
+        return cls(serialize_named_tensors(tensors), config)
 
 
 def serialize_named_tensors(tensors: dict[str, torch.Tensor]) -> str:

@@ -610,12 +610,10 @@ class ServerPool:
         """Every serving replica loads the adapter (replayed to each replica that joins later)."""
         return self._load_everywhere(lora_name, lora_path)
 
-    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config: dict) -> dict:
+    def load_lora_adapter_from_tensors(self, lora_name: str, adapter: AdapterTensors) -> dict:
         """Every serving replica loads the adapter sent as tensors (kept here, and sent again to each replica that
         joins later)."""
-        from open_r1_ext.named_tensors import AdapterTensors
-
-        return self._load_everywhere(lora_name, AdapterTensors(tensors, config))
+        return self._load_everywhere(lora_name, adapter)
 
     def _load_everywhere(self, lora_name: str, source: AdapterSource) -> dict:
         answers = self._on_every_replica(lambda client: load_adapter(client, lora_name, source),
@@ -752,7 +750,7 @@ def load_adapter(client: Union[SGLangClient, ServerPool], name: str, source: Ada
     pool)."""
     if isinstance(source, str):
         return client.load_lora_adapter(name, source)
-    return client.load_lora_adapter_from_tensors(name, source.tensors, source.config)
+    return client.load_lora_adapter_from_tensors(name, source)
 
 
 def _ignore_refusal(fn: Callable[..., Any], *args: Any) -> None:

@@ -47,6 +47,8 @@ from open_r1_ext.weight_files import MANIFEST, WeightFileError, check_reloadable
 if TYPE_CHECKING:
     import torch
 
+    from open_r1_ext.named_tensors import AdapterTensors
+
 logger = logging.getLogger(__name__)
 
 # The clients' defaults; `RemoteGRPOConfig` and `OpenAICompletionsClient` read them from here.
@@ -464,16 +466,14 @@ class SGLangClient:
         return self._post_checked("/load_lora_adapter", load_lora_request(lora_name, lora_path),
                                   f"the LoRA adapter {lora_name} from {lora_path}")
 
-    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config: dict) -> dict:
-        """Load a LoRA adapter sent in the request (SGLang's `/load_lora_adapter_from_tensors`; no file): `tensors` as
-        peft names them in `adapter_model.safetensors`, `config` its `adapter_config.json`. They are pickled plainly,
-        which crosses nodes (`named_tensors`), once per tensor-parallel rank of the server (`/server_info`
-        `tp_size`). Raises `ServerRequestError` on failure, as `load_lora_adapter`."""
-        from open_r1_ext.named_tensors import serialize_named_tensors
-
+    def load_lora_adapter_from_tensors(self, lora_name: str, adapter: AdapterTensors) -> dict:
+        """Load a LoRA adapter sent in the request (SGLang's `/load_lora_adapter_from_tensors`; no file): `adapter`'s
+        tensors, plainly pickled, which crosses nodes (`named_tensors.AdapterTensors`), once per tensor-parallel rank
+        of the server (`/server_info` `tp_size`), and its `adapter_config.json`. Raises `ServerRequestError` on
+        failure, as `load_lora_adapter`."""
         copies = int(self.server_info().get("tp_size") or 1)
         return self._post_checked("/load_lora_adapter_from_tensors",
-                                  load_lora_tensors_request(lora_name, serialize_named_tensors(tensors), config, copies),
+                                  load_lora_tensors_request(lora_name, adapter.serialized, adapter.config, copies),
                                   f"the LoRA adapter {lora_name} from tensors")
 
     def unload_lora_adapter(self, lora_name: str) -> dict:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.named_tensors import AdapterTensors
 from open_r1_ext.protocol import input_token_logprobs, reference_request
 from open_r1_ext.server.app import parse_args
 from open_r1_ext.sglang_client import SGLangClient, ServerRequestError
@@ -292,9 +293,8 @@ def test_adapters_the_server_cannot_serve_are_refused_by_name(lora_server, weigh
             lora_server.load_lora_adapter("bad", path)
         assert err.value.status_code == 400 and words in str(err.value), (path, str(err.value))
     for name, (_, _, words) in broken.items():  # the same adapters sent as tensors: the same refusals, naming the field
-        tensors, config = adapter_tensors(weights / name)
         with pytest.raises(ServerRequestError, match="refused the LoRA adapter bad from tensors") as err:
-            lora_server.load_lora_adapter_from_tensors("bad", tensors, config)
+            lora_server.load_lora_adapter_from_tensors("bad", adapter_tensors(weights / name))
         field = "serialized_named_tensors" if name in ("other-rank", "nan", "stray-tensor", "missing-tensor") else "config_dict"
         assert err.value.status_code == 400 and f"{field}: " in str(err.value) and words in str(err.value), name
     assert lora_server.post_json("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})  # still serving
@@ -302,21 +302,22 @@ def test_adapters_the_server_cannot_serve_are_refused_by_name(lora_server, weigh
     lora_server.unload_lora_adapter("good")
 
 
-def adapter_tensors(adapter: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """A saved adapter's tensors and `adapter_config.json`, as a trainer holds them before a sync."""
-    return load_file(adapter / "adapter_model.safetensors"), json.loads((adapter / "adapter_config.json").read_text())
+def adapter_tensors(adapter: Path) -> AdapterTensors:
+    """A saved adapter's tensors and `adapter_config.json`, as a trainer sends them."""
+    return AdapterTensors.of(load_file(adapter / "adapter_model.safetensors"),
+                             json.loads((adapter / "adapter_config.json").read_text()))
 
 
 def test_an_adapter_sent_as_tensors_serves_as_the_same_adapter_from_disk(lora_server, weights, models):
     """SGLang's `/load_lora_adapter_from_tensors`: the adapter in the request (plainly pickled, `named_tensors`), no
     file; listed as SGLang lists it."""
-    loaded = lora_server.load_lora_adapter_from_tensors("sent-v2", *adapter_tensors(weights / "step-2"))
+    loaded = lora_server.load_lora_adapter_from_tensors("sent-v2", adapter_tensors(weights / "step-2"))
     assert loaded["success"] and loaded["loaded_adapters"]["sent-v2"] == "__tensor__"
     try:
         for sequence, got in zip(PROMPTS, score(lora_server, PROMPTS, "sent-v2")):
             assert close(got, logprobs_of(models["step-2"], sequence))
         with pytest.raises(ServerRequestError, match="because it is already loaded"):
-            lora_server.load_lora_adapter_from_tensors("sent-v2", *adapter_tensors(weights / "step-1"))
+            lora_server.load_lora_adapter_from_tensors("sent-v2", adapter_tensors(weights / "step-1"))
     finally:
         lora_server.unload_lora_adapter("sent-v2")
 
@@ -330,7 +331,7 @@ def test_a_tensors_body_is_unpickled_as_tensors_only(lora_server, weights, tmp_p
         def __reduce__(self):
             return os.system, (f"touch {ran}",)
 
-    _, config = adapter_tensors(weights / "step-1")
+    config = adapter_tensors(weights / "step-1").config
     payloads = {  # serialized_named_tensors[0] -> what the refusal says
         base64.b64encode(pickle.dumps({"x": Command()})).decode(): "system is not allowed",
         base64.b64encode(pickle.dumps(["not", "a", "dict"])).decode(): "not a dict of tensors by name",
@@ -345,7 +346,7 @@ def test_a_tensors_body_is_unpickled_as_tensors_only(lora_server, weights, tmp_p
     missing = requests.post(url, json={"lora_name": "bad", "config_dict": config}, timeout=30)
     assert missing.status_code == 400 and "serialized_named_tensors" in missing.text
     assert not ran.exists()
-    assert "bad" not in lora_server.load_lora_adapter_from_tensors("good", *adapter_tensors(weights / "step-1"))[
+    assert "bad" not in lora_server.load_lora_adapter_from_tensors("good", adapter_tensors(weights / "step-1"))[
         "loaded_adapters"]
     lora_server.unload_lora_adapter("good")
 

@@ -179,7 +179,7 @@ def test_a_joiner_is_sent_the_adapters_the_pool_loaded_from_tensors(tmp_path, mo
     to a replica that joins later, before it serves."""
     import torch
 
-    from open_r1_ext.named_tensors import deserialize_named_tensors
+    from open_r1_ext.named_tensors import AdapterTensors, deserialize_named_tensors
 
     monkeypatch.setattr("open_r1_ext.server_pool.RESCAN_INTERVAL", 0.1)
     addresses = tmp_path / "replicas" / "server"
@@ -188,7 +188,7 @@ def test_a_joiner_is_sent_the_adapters_the_pool_loaded_from_tensors(tmp_path, mo
         write_address(addresses, "101", a.url)
         pool = ServerPool(directory=str(addresses))
         pool.wait_until_healthy(timeout=10)
-        pool.load_lora_adapter_from_tensors("policy-v5", tensors, config)
+        pool.load_lora_adapter_from_tensors("policy-v5", AdapterTensors.of(tensors, config))
         write_address(addresses, "102", b.url)
         deadline = time.monotonic() + 10
         while "102" not in (pool.served_by() or ()) and time.monotonic() < deadline:

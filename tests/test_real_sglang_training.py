@@ -315,7 +315,7 @@ def test_an_adapter_sent_as_tensors_loads_on_sglang(pair, tiny_model, tmp_path):
     client = SGLangClient(pair["b"].url)
     adapter = make_adapter(tiny_model, tmp_path / "adapter", seed=5)
     client.load_lora_adapter("from-disk", str(adapter))
-    loaded = client.load_lora_adapter_from_tensors("from-tensors", *adapter_tensors(adapter))
+    loaded = client.load_lora_adapter_from_tensors("from-tensors", adapter_tensors(adapter))
     assert loaded["success"] and loaded["loaded_adapters"]["from-tensors"] == "__tensor__"
     sent, read, base = (score(client, PROMPTS, name) for name in ("from-tensors", "from-disk", None))
     for got, want, plain in zip(sent, read, base):

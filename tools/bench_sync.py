@@ -93,7 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import header, machine_facts, markdown_table, model_dir, rounds, verdict, write_json  # noqa: E402
 
 from open_r1_ext import weight_broadcast, weight_files  # noqa: E402
-from open_r1_ext.named_tensors import serialize_named_tensors  # noqa: E402
+from open_r1_ext.named_tensors import AdapterTensors  # noqa: E402
 from open_r1_ext.protocol import init_weights_update_group_request, update_weights_from_distributed_request  # noqa: E402
 from open_r1_ext.server_pool import ServerPool  # noqa: E402
 from open_r1_ext.trainer import weight_sync  # noqa: E402
@@ -563,20 +563,20 @@ def lora_figures(path: Path, work: Path, client: SGLangClient, repeats: int) -> 
              "merged": weight_sync.WeightSync(Accelerator(cpu=True), str(work / "merged"), 0, str(work / "log"), [])}
     runs: dict[str, list[tuple[int, float]]] = defaultdict(list)
 
-    def tensors_sync(rep: int) -> dict[str, torch.Tensor]:
-        """The adapter in the request (`/load_lora_adapter_from_tensors`), no file; the tensors sent."""
+    def tensors_sync(rep: int) -> AdapterTensors:
+        """The adapter in the request (`/load_lora_adapter_from_tensors`), no file; what was sent."""
         weights = weight_sync.AdapterWeights(sides["adapter"].accelerator, model, sides["adapter"].bucket_bytes)
-        tensors = weights.gather_all(read=True)
-        client.load_lora_adapter_from_tensors(f"tensors-{rep}", tensors, weights.config_dict())
-        return tensors
+        sent = AdapterTensors.of(weights.gather_all(read=True), weights.config_dict())
+        client.load_lora_adapter_from_tensors(f"tensors-{rep}", sent)
+        return sent
 
     for rep in range(repeats):
         for name in (*sides, "tensors") if rep % 2 == 0 else ("tensors", *list(sides)[::-1]):
             os.sync()
             start = time.perf_counter()
             if name == "tensors":
-                tensors = tensors_sync(rep)
-                runs[name].append((len(serialize_named_tensors(tensors)), time.perf_counter() - start))
+                sent = tensors_sync(rep)
+                runs[name].append((len(sent.serialized), time.perf_counter() - start))
                 client.unload_lora_adapter(f"tensors-{rep}")
                 continue
             directory = sides[name].dump(model, rep)

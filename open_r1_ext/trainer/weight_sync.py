@@ -344,7 +344,7 @@ class WeightSync:
         a server that loses it (`repush`). `retire`: see `push`."""
         main = self.accelerator.is_main_process
         weights = AdapterWeights(self.accelerator, model, self.bucket_bytes)
-        sent = AdapterTensors(weights.gather_all(read=main), weights.config_dict()) if main else None
+        sent = AdapterTensors.of(weights.gather_all(read=main), weights.config_dict()) if main else None
         error = None
         if main:
             try:

@@ -133,6 +133,22 @@ def flatten_into(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], layout:
         buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
+@dataclass(frozen=True)
+class StagedBucket:
+    """A bucket flattened into memory of its own (`stage`), to be broadcast later (`WeightUpdate.send_staged`)."""
+
+    layout: BucketLayout
+    flat: torch.Tensor  # uint8, CPU
+
+
+def stage(tensors: dict[str, torch.Tensor]) -> StagedBucket:
+    """A copy of a bucket's tensors, flattened into host memory as a broadcast lays them out."""
+    layout = layout_of(tensors)
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+    flatten_into(flat, tensors, layout)
+    return StagedBucket(layout, flat)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -523,12 +539,21 @@ class WeightUpdate:
 
     def send(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
         """Broadcast bucket `index` (of `buckets`) to every server still in the update."""
+        if tensors:
+            layout = layout_of(tensors)
+            self.send_flat(index, layout, lambda buffer: flatten_into(buffer, tensors, layout))
+
+    def send_staged(self, index: int, bucket: StagedBucket) -> None:
+        """`send` of a bucket flattened beforehand (`stage`)."""
+        self.send_flat(index, bucket.layout, lambda buffer: buffer[: bucket.layout.nbytes].copy_(bucket.flat))
+
+    def send_flat(self, index: int, layout: BucketLayout, fill: Callable[[torch.Tensor], None]) -> None:
+        """Broadcast bucket `index`, laid out as `layout` and written into the shared buffer by `fill`."""
         from open_r1_ext.protocol import update_weights_from_distributed_request
 
-        if not self.live or not tensors:
+        if not self.live:
             return
         sender, last = self.sender, index == self.buckets - 1
-        layout = layout_of(tensors)
         with sender.broadcaster.lock:
             try:
                 buffer = sender.broadcaster.ensure_buffer(layout.nbytes)
@@ -536,7 +561,7 @@ class WeightUpdate:
                 for url, server in list(self.live.items()):
                     self._fail(url, err, server)
                 return
-            flatten_into(buffer, tensors, layout)
+            fill(buffer)
             if buffer.is_cuda:
                 torch.cuda.current_stream().synchronize()
             version = self.version if last else partial_version(self.version)

@@ -120,10 +120,12 @@ def test_bench_async_quick_writes_json(tmp_path):
         "inflight.in_flight_vs_sync", "inflight.machine_parallel_speedup", "inflight.last_round.in_flight.timing/train",
         "inflight.last_round.in_flight.background/paused", "inflight.last_round.in_flight.background/reload",
         "inflight.last_round.one_step.background/generate", "inflight.last_round.sync.timing/generate",
-        # the network transport (issue #34): the broadcast runs on the training thread, paused around it
+        # the network transport (issue #34): the training thread stages the policy, the update thread broadcasts it
+        # with the servers paused around it
         "inflight.distributed_speedup_vs_one_step", "inflight.distributed_vs_disk", "inflight.distributed_sync_vs_disk",
         "inflight.in_flight_sync_s", "inflight.in_flight_distributed_sync_s", "inflight.in_flight_paused_s",
-        "inflight.in_flight_distributed_paused_s", "inflight.last_round.in_flight_distributed.timing/reload_wait"])
+        "inflight.in_flight_distributed_paused_s", "inflight.last_round.in_flight_distributed.timing/stage",
+        "inflight.last_round.in_flight_distributed.background/paused"])
     assert "inflight.last_round.in_flight.timing/group_wait" in figures and isinstance(figures["inflight.met"], bool)
     assert isinstance(figures["inflight.distributed_met"], bool) and isinstance(figures["inflight.distributed_sync_met"], bool)
     # nothing dumped over the network: the distributed sides' training threads never wrote a dump

@@ -220,8 +220,8 @@ def test_a_tiny_run_with_in_flight_updates_learns_on_real_sglang(shared_sglang, 
 
 
 def test_in_flight_updates_over_the_network_pause_broadcast_and_continue(any_server, tiny_model, tmp_path):
-    """`transport: distributed`: each sync pauses the server (retract), broadcasts the weights and continues it, so the
-    long groups under way go on with the new weights (unpaused, SGLang and the built-in server would let them end
+    """`transport: distributed`: each sync stages the policy in memory, and the update thread pauses the server
+    (retract), broadcasts the weights and continues it, so the long groups under way go on with the new weights (unpaused, SGLang and the built-in server would let them end
     before the update: no group would span versions). 4 prompts in flight, 2 a step: steps 2 and 3 take long groups
     (256 tokens, ~2 s; a step ~0.5 s) sent before the first sync. Nothing is dumped; the server ends on the last
     step's weights."""
@@ -240,7 +240,9 @@ def test_in_flight_updates_over_the_network_pause_broadcast_and_continue(any_ser
                                                       for h in steps]
     assert [h["inflight/versions_per_group"] for h in steps] == [
         sum(len(e["versions"]) for e in trained if e["step"] == h["step"]) / 2 for h in steps]
-    assert all(h["timing/reload_wait"] > 0 and "background/paused" not in h for h in steps)
+    # the training thread stages the policy; the broadcast of a sync runs beside the next step (on the update thread),
+    # which a sync waits for before staging again: each step but the first has its predecessor's pause
+    assert all(h["timing/stage"] > 0 for h in steps) and ["background/paused" in h for h in steps] == [False, True, True]
     syncs = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
     assert [(e["step"], e["path"]) for e in syncs] == [(1, None), (2, None), (3, None)]
     assert not (tmp_path / "weights").exists() and SGLangClient(any_server.url).weight_version() == "3"

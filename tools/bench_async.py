@@ -19,7 +19,8 @@ async (`async_generation`: a batch generated whole while the previous one trains
 groups go to training as they complete, weight syncs pause and continue the generation under way), the last two also
 with `transport: distributed` (gloo; nothing written to disk). Each side's figure is trained completion tokens per
 second (the completions of the timed steps over their wall time); per sync, the training thread's seconds (the dump,
-and waiting for the reload or the broadcast, which runs on it) and the seconds the servers stand paused.
+or over the network the policy staged in memory, and waiting for a reload or a broadcast: each runs on the update
+thread) and the seconds the servers stand paused.
 Targets: `speedup_vs_one_step` = in-flight / one-step async >= 1.25, and the same over the network
 (`distributed_speedup_vs_one_step`), the medians over the rounds of a run; `distributed_sync_vs_disk` (the training
 thread's seconds per sync, distributed / disk) <= 1.0.
@@ -204,10 +205,11 @@ IN_FLIGHT_SIDES = {
     "one-step async, distributed": ("async", "distributed", "one_step_distributed"),
     "in-flight, distributed": ("in-flight", "distributed", "in_flight_distributed"),
 }
-# a sync's cost to the training thread (the dump; waiting for a reload, or for the broadcast, which runs on it) and
-# how long the generation servers stand paused for it (the update thread's pause around a reload; the broadcast's)
-SYNC_PARTS = ("timing/dump", "timing/reload_wait")
-PAUSED_PART = {"disk": "background/paused", "distributed": "timing/reload_wait"}
+# a sync's cost to the training thread (the dump, or the policy staged in memory for a broadcast; waiting for a reload
+# or a broadcast) and how long the generation servers stand paused for it (on the update thread, around a reload or a
+# broadcast)
+SYNC_PARTS = ("timing/dump", "timing/stage", "timing/reload_wait")
+PAUSED_PART = "background/paused"
 
 
 def ratios(results: dict, over: str, under: str) -> list[float]:
@@ -245,7 +247,7 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
     median = {name: statistics.median(r["tokens_per_s"] for r in runs) for name, runs in results.items()}
     sync_s = {name: statistics.median(sum(r.get(part, 0.0) for part in SYNC_PARTS) for r in runs)
               for name, runs in results.items()}
-    paused_s = {name: statistics.median(r.get(PAUSED_PART[IN_FLIGHT_SIDES[name][1]], 0.0) for r in runs)
+    paused_s = {name: statistics.median(r.get(PAUSED_PART, 0.0) for r in runs)
                 for name, runs in results.items() if IN_FLIGHT_SIDES[name][0] == "in-flight"}
     sync_ratio = sync_s["in-flight, distributed"] / sync_s["in-flight"]
     speedup, distributed_speedup = statistics.median(speedups), statistics.median(distributed_speedups)
@@ -280,7 +282,7 @@ def in_flight_part(model: Path, url: str, tmp: Path, rounds: int, steps: int, lo
                           "target", "met"], rows))
     print(markdown_table(
         ["in-flight, per sync (medians)", "disk", "distributed", "distributed / disk", "target", "met"],
-        [["the training thread's (s): dump + waiting for the reload or broadcast", f"{sync_s['in-flight']:.4f}",
+        [["the training thread's (s): dump or stage + waiting for the reload or broadcast", f"{sync_s['in-flight']:.4f}",
           f"{sync_s['in-flight, distributed']:.4f}", f"{sync_ratio:.2f}", "<= 1.0", verdict(sync_ratio <= 1.0)],
          ["the generation servers paused (s)", f"{paused_s['in-flight']:.4f}", f"{paused_s['in-flight, distributed']:.4f}",
           f"{paused_s['in-flight, distributed'] / paused_s['in-flight']:.2f}", "-", "-"],

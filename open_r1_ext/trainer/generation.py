@@ -451,8 +451,7 @@ class AsyncRemoteGeneration(RemoteGeneration):
         if self.target.distributed:
             if references and (error := self.weight_sync.sync(self.trainer.model, step, references)) is not None:
                 raise WeightSyncError(f"{error}\nStopping at step {step} rather than training on a stale reference.")
-            if (error := self._send(step)) is not None:
-                logger.warning("weight sync of step %d failed: %s", step, error)
+            self._sync_over_the_network(step)
             return
         path = self.weight_sync.dump(self.trainer.model, step)  # raises WeightDumpError on every rank
         if references and (error := self.weight_sync.publish(references, path, step)) is not None:
@@ -463,6 +462,11 @@ class AsyncRemoteGeneration(RemoteGeneration):
             self.last_push = self.rollouts.submit(lambda: self._push_logged(path, step))
         elif self.target.adapter:  # requests name the adapter from here on in this process's queue, as on the main one
             self.rollouts.submit(lambda: self.weight_sync.confirm([self.target], path, step))
+
+    def _sync_over_the_network(self, step: int) -> None:
+        """`sync_weights`'s send to the generation servers with `transport: distributed` (every rank)."""
+        if (error := self._send(step)) is not None:
+            logger.warning("weight sync of step %d failed: %s", step, error)
 
     def adapters_in_use(self) -> int:
         """The newest `max_weight_staleness + 1` LoRA adapters: a process's rollout thread switches to a new adapter

@@ -262,8 +262,9 @@ class InFlightGeneration(AsyncRemoteGeneration):
 
     def sync_weights(self, step: int, references) -> None:
         """Dump now; the reference servers reload now; the generation servers pause, reload and continue on the update
-        thread (main process) while generation and training go on. With `transport: distributed`, the broadcast now,
-        the servers paused around it (`_send`)."""
+        thread (main process) while generation and training go on. With `transport: distributed`, the policy is
+        staged in host memory now and broadcast on the update thread, the servers paused around it
+        (`_sync_over_the_network`); an adapter is sent now (`_send_adapter`)."""
         if self._starting:
             return RemoteGeneration.sync_weights(self, step, references)
         self._newest_dump = step
@@ -293,6 +294,49 @@ class InFlightGeneration(AsyncRemoteGeneration):
             self._update_error = f"weight sync of step {step} failed: {err}"
             logger.warning("%s", self._update_error)
 
+    def _sync_over_the_network(self, step: int) -> None:
+        """`transport: distributed`, every rank: the policy's buckets staged in host memory (`WeightSync.stage`, the
+        dump's walk without the writes: `timing/stage`), and the broadcast queued on the update thread, the servers
+        paused around it, as a dump's reload (`_broadcast_logged`): training goes on meanwhile. One staged copy at a
+        time: a sync whose previous broadcast still runs waits for it first (`timing/reload_wait`). An adapter is sent
+        from this thread (`_send_adapter`)."""
+        if self.target.adapter:
+            return super()._sync_over_the_network(step)
+        main = self.trainer.accelerator.is_main_process
+        if main:
+            with self.trainer.step_timer.part("reload_wait"):
+                while self._updates:
+                    self._updates.popleft().result()
+        staged = self.weight_sync.stage(self.trainer.model)
+        self.weight_sync.share_state([self.target])
+        if main:
+            self._updates.append(self.rollouts.submit(lambda: self._broadcast_logged(staged, step)))
+
+    def _broadcast_logged(self, staged: list, step: int) -> None:
+        """Update thread: pause every generation server (retract), broadcast the staged policy, continue. A failure
+        is kept for `_wait_for_weights` to report; the staged copy is let go at the end."""
+        timer = self.trainer.step_timer
+
+        def broadcast() -> Optional[str]:
+            with timer.part("reload"):
+                return self.weight_sync.send_staged(staged, step, self.target)
+
+        try:
+            with timer.part("paused"):
+                error = self._while_paused(broadcast)
+        finally:
+            staged.clear()
+        self._update_error = None if error is None else f"weight sync of step {step} failed: {error}"
+        if error is not None:
+            logger.warning("%s", self._update_error)
+
+    def _servers_behind(self) -> list[str]:
+        """As `RemoteGeneration`'s, but none while a weight update runs on the update thread: a server it has paused
+        mid-broadcast says `<N>-partial` until it ends (one it fails is seen at the next batch)."""
+        if any(not update.done() for update in self._updates):
+            return []
+        return super()._servers_behind()
+
     def _abort_in_flight(self, why: str, while_paused: Optional[Callable[[], None]] = None) -> None:
         """Main process: abort every request the generation servers have under way (each answers with its partial
         output; the client sends other requests again whole, e.g. the reference's on a LoRA server, which serves its
@@ -319,8 +363,9 @@ class InFlightGeneration(AsyncRemoteGeneration):
             client.continue_generation()
 
     def _send(self, step: int, only: Optional[list[str]] = None, collective: bool = True) -> Optional[str]:
-        """`transport: distributed`: the broadcast (a sync, or a catch-up) with the generation servers paused around
-        it, as a reload; the main process's training thread waits for it all (`timing/reload_wait`). SGLang takes a
+        """`transport: distributed`, sent from this thread: a catch-up (`catch_up`: a sync of its own, or to the servers
+        that lost the weights) with the generation servers paused around it, as a reload; the main process's training
+        thread waits for it all (`timing/reload_wait`). SGLang takes a
         distributed update at once while paused, its cache flushed with the retracted requests waiting. A server
         that does not answer the pause fails the broadcast too, which the main process enters all the same (a
         collective). A failed sync is kept for `_wait_for_weights` to report. A LoRA adapter goes in the request
@@ -331,17 +376,24 @@ class InFlightGeneration(AsyncRemoteGeneration):
             return self._send_adapter(step, collective)
         if not self.trainer.accelerator.is_main_process:
             return send(step, only, collective)
-        sent: list[Optional[str]] = []  # the broadcast's outcome, once it ran
         with self.trainer.step_timer.part("reload_wait"):
-            try:
-                with self._servers_paused():
-                    sent.append(send(step, only, collective))
-            except ServerError as err:  # the pause, or the continue
-                logger.warning("generation servers: %s", err)
-                if not sent:
-                    sent.append(send(step, only, collective))
+            error = self._while_paused(lambda: send(step, only, collective))
         if only is None:
-            self._update_error = None if sent[0] is None else f"weight sync of step {step} failed: {sent[0]}"
+            self._update_error = None if error is None else f"weight sync of step {step} failed: {error}"
+        return error
+
+    def _while_paused(self, send: Callable[[], Optional[str]]) -> Optional[str]:
+        """Main process: `send()`'s outcome, the generation servers paused around it (`_servers_paused`). A server
+        that does not answer the pause fails the broadcast too, which is made all the same (in a catch-up the other
+        processes enter it: a collective)."""
+        sent: list[Optional[str]] = []  # the broadcast's outcome, once it ran
+        try:
+            with self._servers_paused():
+                sent.append(send())
+        except ServerError as err:  # the pause, or the continue
+            logger.warning("generation servers: %s", err)
+            if not sent:
+                sent.append(send())
         return sent[0]
 
     def _send_adapter(self, step: int, collective: bool) -> Optional[str]:

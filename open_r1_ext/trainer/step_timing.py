@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 # The parts of a step on the training thread (docs/design.md: "The step time's parts").
 PARTS = ("generate", "rollout_wait", "group_wait", "reference_send", "reference_wait", "rewards", "train", "dump",
-         "reload_wait", "seal_wait")
+         "stage", "reload_wait", "seal_wait")
 
 
 class StepTimer:

@@ -38,7 +38,8 @@ import torch
 from open_r1_ext.named_tensors import AdapterTensors
 from open_r1_ext.server_pool import ServerPool, load_adapter
 from open_r1_ext.sglang_client import ServerError, ServerRequestError, SGLangClient
-from open_r1_ext.weight_broadcast import DEFAULT_TIMEOUT_S, WeightBroadcast, resolve_backend
+from open_r1_ext.weight_broadcast import (DEFAULT_TIMEOUT_S, StagedBucket, WeightBroadcast, WeightUpdate,
+                                          resolve_backend, stage)
 from open_r1_ext.weight_files import (DEFAULT_BUCKET_MB, WeightFileError, check_manifest, is_disk_full, publish,
                                       remove_temporary_dirs, seal_weight_dir, shard_name, temporary_dir, write_index,
                                       write_shard)
@@ -316,25 +317,57 @@ class WeightSync:
         if target.adapter:
             return self.send_adapter(model, step, target, collective)
         weights = PolicyWeights(self.accelerator, model, self.bucket_bytes)
-        version = target.version_for(step)
-        update, error, push = None, None, None
-        if self.accelerator.is_main_process:
-            try:
-                push = _Push(target, only)
-                update = self.sender(push.clients).update(list(push.clients.values()), version, len(weights.buckets))
-            except (ServerError, OSError) as err:
-                error = f"the {target.role} server did not take the new weights: {err}"
-                if push is not None:
-                    push.cancel()
-        device = "cpu" if self._sender is None else self._sender.broadcaster.device
-        self.walk(weights, lambda index: update is not None and bool(update.live), lambda i, t: update.send(i, t), device)
+        main = self.accelerator.is_main_process
+        push, update, error = self._open_update(target, step, only, len(weights.buckets)) if main else (None, None, None)
+        self.walk(weights, lambda index: update is not None and bool(update.live), lambda i, t: update.send(i, t),
+                  self._send_device())
         if update is not None:
-            error = push.finish(update.finish(), version, whole=only is None)
+            error = push.finish(update.finish(), target.version_for(step), whole=only is None)
         if collective:
             error = self.broadcast_from_main(error)
         if error is None and only is None:
             self.confirm([target], None, step)
         return error
+
+    def stage(self, model) -> Optional[list[StagedBucket]]:
+        """A sync's buckets for a broadcast made later (`send_staged`, on the update thread while training goes on): the
+        dump's walk (a collective under ZeRO-3, every rank calls it), each bucket flattened into host memory on the
+        main process, which gets them (elsewhere None). It costs the training thread what a dump's walk does, less the
+        writes, and host memory the size of the policy until the broadcast ends."""
+        main = self.accelerator.is_main_process
+        staged: list[StagedBucket] = []
+        self.walk(PolicyWeights(self.accelerator, model, self.bucket_bytes), lambda index: main,
+                  lambda i, tensors: staged.append(stage(tensors)), self._send_device())
+        return staged if main else None
+
+    def send_staged(self, staged: list[StagedBucket], step: int, target: SyncTarget) -> Optional[str]:
+        """Main process, any thread: broadcast `stage`'s buckets to `target`'s servers as weight version `step`, and
+        confirm it; None or the error."""
+        push, update, error = self._open_update(target, step, None, len(staged))
+        if update is not None:
+            for index, bucket in enumerate(staged):
+                update.send_staged(index, bucket)
+            error = push.finish(update.finish(), target.version_for(step), whole=True)
+        if error is None:
+            self.confirm([target], None, step)
+        return error
+
+    def _open_update(self, target: SyncTarget, step: int, only: Optional[list[str]],
+                     buckets: int) -> tuple[Optional["_Push"], Optional[WeightUpdate], Optional[str]]:
+        """Main process: a send's servers (`_Push`) and their sessions opened (`WeightBroadcast.update`), or why not."""
+        push = None
+        try:
+            push = _Push(target, only)
+            return push, self.sender(push.clients).update(list(push.clients.values()), target.version_for(step),
+                                                          buckets), None
+        except (ServerError, OSError) as err:
+            if push is not None:
+                push.cancel()
+            return None, None, f"the {target.role} server did not take the new weights: {err}"
+
+    def _send_device(self) -> str:
+        """Where a send's buckets are gathered: the broadcaster's buffer's device (CPU until the first send)."""
+        return "cpu" if self._sender is None else self._sender.broadcaster.device
 
     def send_adapter(self, model, step: int, target: SyncTarget, collective: bool = True,
                      retire: bool = True) -> Optional[str]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -82,10 +83,13 @@ def test_rank_killed_mid_dump_publishes_nothing_and_the_next_run_resumes(tiny_mo
     restore_default_weights(server.url, tiny_model)
 
 
-def test_zero3_distributed_sync_sends_from_the_main_process_one_gathered_bucket_at_a_time(tiny_model, server, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "in-flight"])
+def test_zero3_distributed_sync_sends_from_the_main_process_one_gathered_bucket_at_a_time(tiny_model, server, tmp_path,
+                                                                                       mode):
     """`transport: distributed` under ZeRO-3 on 2 processes: both gather each bucket (the dump's walk), only the main
-    process broadcasts them, and the server ends on exactly the final policy."""
-    result = launch(tiny_model, tmp_path, "distributed", server.url)
+    process broadcasts them, and the server ends on exactly the final policy. With in-flight updates the main process
+    stages the gathered buckets and its update thread broadcasts them beside training."""
+    result = launch(tiny_model, tmp_path, "distributed", server.url, *(["in-flight"] if mode == "in-flight" else []))
     assert result.returncode == 0, result.stderr[-5000:]
     main, other = (json.loads((tmp_path / f"zero3-{rank}.json").read_text()) for rank in (0, 1))
     assert main["stage"] == 3 and main["broadcaster"] and not other["broadcaster"]

@@ -5,10 +5,12 @@ partitioned, weight dumps in buckets smaller than one layer. Each rank records t
     python -m tests.zero3_dump MODEL OUTPUT_DIR dump        one step at learning rate 0, then one dump
     python -m tests.zero3_dump MODEL OUTPUT_DIR train URL   3 steps against the server at URL, a checkpoint every
                                                             step, resuming from the last one when there is one
-    python -m tests.zero3_dump MODEL OUTPUT_DIR distributed URL  2 steps against the server at URL with
-                                                            `transport: distributed` (buckets of 20 kB), then a dump of
-                                                            the final policy; each rank counts its broadcasts in
-                                                            `zero3-<rank>.json`
+    python -m tests.zero3_dump MODEL OUTPUT_DIR distributed URL [in-flight]
+                                                            2 steps against the server at URL with
+                                                            `transport: distributed` (buckets of 20 kB; with in-flight
+                                                            updates: staged, broadcast on the update thread), then a
+                                                            dump of the final policy; each rank counts its broadcasts
+                                                            in `zero3-<rank>.json`
     python -m tests.zero3_dump MODEL OUTPUT_DIR lora URL    a LoRA policy: 3 steps of async generation against the
                                                             server at URL (its adapters synced), then one more
                                                             adapter dump in buckets of 1 kB; rank 0 writes the
@@ -87,16 +89,19 @@ if mode == "dump":
 elif mode == "distributed":
     from open_r1_ext import weight_broadcast
 
+    in_flight = dict(async_generation=True, in_flight_updates=True, num_generations=2) if sys.argv[5:] == ["in-flight"] \
+        else {}
     args = tiny_config(output_dir, max_steps=2, per_device_train_batch_size=2, deepspeed=zero3, beta=0.0,
-                       generation_url=sys.argv[4], bucket_mb=BUCKET_MB, transport="distributed", learning_rate=5e-3)
+                       generation_url=sys.argv[4], bucket_mb=BUCKET_MB, transport="distributed", learning_rate=5e-3,
+                       **in_flight)
     trainer = RemoteGRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
-    sent, send = [], weight_broadcast.WeightUpdate.send
+    sent, send = [], weight_broadcast.WeightUpdate.send_flat
 
-    def counting_send(self, index, tensors):
+    def counting_send(self, index, layout, fill):
         sent.append(index)
-        send(self, index, tensors)
+        send(self, index, layout, fill)
 
-    weight_broadcast.WeightUpdate.send = counting_send
+    weight_broadcast.WeightUpdate.send_flat = counting_send
     trainer.train()
     final = trainer.weight_sync.dump(trainer.model, 99)  # the whole final policy, as the dump's walk gathers it
     buckets = len(weight_sync.PolicyWeights(trainer.accelerator, trainer.model, trainer.weight_sync.bucket_bytes).buckets)

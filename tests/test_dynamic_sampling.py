@@ -50,6 +50,7 @@ class RecordingTrainer(RemoteGRPOTrainer):
         super().__init__(*args, **kwargs)
         self.trained: list[tuple[list[str], list[float]]] = []
         self.generated: dict[int, list[str]] = {}
+        self.requests: dict[int, list[int]] = {}  # step -> the groups of each round's generation request
         self.scored: list[int] = []
         client, ref_logprobs = self.ref_client, self.ref_client.ref_logprobs
 
@@ -63,6 +64,7 @@ class RecordingTrainer(RemoteGRPOTrainer):
         if self.model.training and self.dynamic_sampling._sampled is None:  # a round's (not TRL's for the kept batch)
             self.generated.setdefault(self.state.global_step, []).extend(
                 p[-1]["content"] for p in prompts[::self.num_generations])
+            self.requests.setdefault(self.state.global_step, []).append(len(prompts) // self.num_generations)
         return super()._generate(prompts)
 
     def _generate_and_score_completions(self, inputs):
@@ -112,6 +114,10 @@ def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_m
     assert logged(trainer, "dynamic_sampling/groups_kept") == [2.0, 2.0, 2.0]
     generated = logged(trainer, "dynamic_sampling/groups_generated")
     assert sum(generated) > 6 and logged(trainer, "dynamic_sampling/informative_share") == [1.0, 1.0, 1.0]
+    # one generation request a round: the first holds the batch's 2 groups and their oversampling (after a step that
+    # filtered some groups: more than 2)
+    assert [len(trainer.requests[step]) for step in range(3)] == logged(trainer, "dynamic_sampling/rounds")
+    assert any(requests[0] > 2 for requests in trainer.requests.values()), trainer.requests
     # a step's rounds draw each of the 8 prompts once before any twice: a filtered group's prompt is not drawn again
     for step, texts in trainer.generated.items():
         assert len(set(texts)) == min(len(texts), 8), (step, texts)

@@ -83,10 +83,14 @@ class DynamicSampling:
         needed = local_groups * processes
         factor = min(self.max_oversampling, 1.0 / self.informative_share if self.informative_share > 0 else math.inf)
         refills = self._refills(batch_prompts=[row["prompt"] for row in inputs[::size]])
-        pool = self._sample(inputs)
-        extra = math.ceil(local_groups * (factor - 1.0) - 1e-9)
-        if extra > 0:
-            pool += self._sample(self._refill(refills, extra))
+        oversampled = self._refill(refills, max(0, math.ceil(local_groups * (factor - 1.0) - 1e-9)))
+        if trainer.args.async_generation:  # the batch was generated ahead: its oversampling now, after it
+            pool = self._sample(inputs) + (self._sample(oversampled) if oversampled else [])
+        else:  # one request for both, the data loader's groups first in the pool as with two
+            sampled = self._sample(inputs + oversampled)
+            chunk = len(sampled) // processes
+            pool = [g for r in range(processes) for g in sampled[r * chunk:r * chunk + local_groups]] + [
+                g for r in range(processes) for g in sampled[r * chunk + local_groups:(r + 1) * chunk]]
         rounds = 0
         while sum(g.informative for g in pool) < needed and rounds < self.max_rounds:
             rounds += 1

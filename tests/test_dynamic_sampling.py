@@ -59,6 +59,17 @@ class RecordingTrainer(RemoteGRPOTrainer):
             return ref_logprobs(sequences, *pargs, **kw)
 
         client.ref_logprobs = counted
+        self.read_ahead: list[tuple[int, bool]] = []  # async generation: (groups, generated ahead) of each request
+        if self.args.async_generation and not self.args.in_flight_updates:
+            queue = self.remote_generation.rollouts
+            take = queue.take
+
+            def recorded(key):
+                found = take(key)
+                self.read_ahead.append((len(key) // self.num_generations, found is not None))
+                return found
+
+            queue.take = recorded
 
     def _generate(self, prompts):
         if self.model.training and self.dynamic_sampling._sampled is None:  # a round's (not TRL's for the kept batch)
@@ -144,6 +155,16 @@ def test_overlapped_generation_and_reused_batches_train_informative_groups(tiny_
     batches = 2  # with num_iterations=2, each generation batch trains two optimizer steps
     assert_informative_full_batches(trainer, batches=batches)
     assert trainer.scored == [ROWS] * batches
+
+
+def test_async_generation_sends_a_batch_read_ahead_with_its_oversampling(tiny_model, server, tmp_path):
+    """With `async_generation` a batch read ahead goes in one request with the prompts that oversample it (their
+    number from the informative share known then: after a batch that filtered some groups, more than the batch's 2
+    groups), and its step takes it generated."""
+    trainer = train(tiny_model, server, tmp_path, prompts(uniform_every=2), max_steps=3, async_generation=True,
+                    dynamic_sampling=True)
+    assert_informative_full_batches(trainer, batches=3)
+    assert any(groups > 2 and ahead for groups, ahead in trainer.read_ahead), trainer.read_ahead
 
 
 def test_in_flight_on_real_sglang_trains_informative_groups(tiny_model, server, shared_sglang, tmp_path):

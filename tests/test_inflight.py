@@ -388,43 +388,79 @@ def test_a_replica_killed_while_paused_loses_no_group(any_server, tiny_model, tm
     requests and has sampled a group that trained, b is killed (SIGKILL, SGLang's scheduler and detokenizer with it)
     once both are paused, before the reload. The pool drops it and sends its groups to a: every group trains once. The
     run stops 4 steps after the kill (which pause that is depends on timing), at most 16."""
-    a = any_server
+    def at_the_pause(pool, kill_if_due, monkeypatch):
+        pause = pool.pause_generation
+
+        def pause_then_kill(mode="retract"):
+            answer = pause(mode)
+            if kill_if_due():  # both replicas paused, b holding requests mid-generation: it goes away before the reload
+                assert len(answer["replicas"]) == 2
+            return answer
+
+        pool.pause_generation = pause_then_kill
+
+    check_replica_killed_while_paused(any_server, tiny_model, tmp_path, at_the_pause)
+
+
+def test_a_replica_killed_while_paused_mid_broadcast_loses_no_group(server, tiny_model, tmp_path, monkeypatch):
+    """As above over the network (`transport: distributed`, buckets of 50 kB), on built-in servers: b is killed while
+    the servers stand paused for the update thread's broadcast, between its first and second bucket. b's group fails
+    alone; the pool drops b, a takes the whole update and b's groups, nothing is written to the sync directory."""
+    def mid_broadcast(pool, kill_if_due, monkeypatch):
+        send = weight_broadcast.WeightUpdate.send_flat
+
+        def kill_then_send(self, index, layout, fill):
+            if index == 1:
+                kill_if_due()
+            send(self, index, layout, fill)
+
+        monkeypatch.setattr(weight_broadcast.WeightUpdate, "send_flat", kill_then_send)
+
+    try:
+        check_replica_killed_while_paused(server, tiny_model, tmp_path, mid_broadcast, monkeypatch,
+                                          transport="distributed", bucket_mb=0.05)
+        assert not (tmp_path / "weights").exists()
+    finally:
+        SGLangClient(server.url).continue_generation()
+        restore_default_weights(server.url, tiny_model)
+
+
+def check_replica_killed_while_paused(a, tiny_model, tmp_path, arm_kill, monkeypatch=None, **settings) -> None:
+    """The run of the two tests above; `arm_kill(pool, kill_if_due, monkeypatch)` places the kill."""
     with server_like(a, log_path=tmp_path / "b.log") as b:
         assert engine_at(a.url) == engine_at(b.url) == a.engine
         # b warmed up, as a is by earlier tests: a fresh server's first generation is its slowest, and under load b
         # could still hold its first groups at the kill, having sampled none that trained (1 run in 5 with 3 busy loops)
         SGLangClient(b.url).generate([[1, 5, 9]], sampling_params(48, ignore_eos=True))
         args = in_flight_config(tmp_path, [a.url, b.url], max_steps=16, max_weight_staleness=2,
-                                max_completion_length=48)
+                                max_completion_length=48, **settings)
         trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args,
                                     train_dataset=tiny_dataset(64))
         generation = trainer.remote_generation
-        pool = generation.client
-        pause, log_groups = pool.pause_generation, generation._log_groups
+        pool, log_groups = generation.client, generation._log_groups
         killed, trained_from = [], set()
 
         def log_and_note(groups, step):  # the replicas of the groups taken for training so far
             trained_from.update(group.replica for group in groups)
             log_groups(groups, step)
 
-        def pause_then_kill(mode="retract"):
-            answer = pause(mode)
+        def kill_if_due() -> bool:
             # the tokens of b's requests in flight, read from the pool's private counter: killed with none, b would
             # lose nothing and the test would not test what it says. Which replica's groups complete first is the
             # machine's timing (under load a 2-step wait was not always enough for b's): the kill waits for one.
             held = pool._replicas[b.url].outstanding
             if trainer.state.global_step >= 2 and not killed and held > 0 and b.url in trained_from:
-                # both replicas paused, b holding requests mid-generation: it goes away before the reload
-                assert len(answer["replicas"]) == 2
                 killed.append(trainer.state.global_step)
                 b.stop(signal.SIGKILL)
-            return answer
+                return True
+            return False
 
         class StopAfterTheKill(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):  # after the step's sync, which may have killed b
                 control.should_training_stop = bool(killed) and state.global_step == killed[0] + 4
 
-        pool.pause_generation, generation._log_groups = pause_then_kill, log_and_note
+        arm_kill(pool, kill_if_due, monkeypatch)
+        generation._log_groups = log_and_note
         trainer.add_callback(StopAfterTheKill())
         trainer.train()
         assert killed, "b held no request at any pause after step 2 and a trained group from it: nothing was killed"

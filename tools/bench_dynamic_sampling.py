@@ -6,14 +6,15 @@ completion (16 tokens at most) that holds the token `2` (id 20) at least once, e
 random policy earns in ~10-20% of its completions, so most of its groups of 4 are all-0 (no learning signal), and
 once it has learned the token most groups are all-1. Each run trains on one built-in server (deterministic sampling;
 each run's trainer loads its initial weights into it first), 16 completions (4 groups) per step, learning rate 0.02
-(`--learning-rate`), no reference (beta 0), with vs without dynamic sampling (its defaults), the same seeds for both;
-3 seeds, medians.
+(`--learning-rate`), no reference (beta 0), with vs without dynamic sampling (its defaults), the same seeds for
+both, each with and without `async_generation`; 3 seeds, medians.
 
 Per run: the optimizer steps and the wall time until the policy's success rate (the mean reward of every completion
 generated for a step, filtered ones included, so both sides measure the same thing), averaged over the last 3 steps,
-reaches `THRESHOLD`; the generation time per step (`timing/generate`); the share of informative groups in the trained
-batches (with filtering `dynamic_sampling/informative_share`, without it 1 - TRL's `frac_reward_zero_std`); and the
-groups generated per group trained (1.0 without filtering). A run that does not reach the threshold within
+reaches `THRESHOLD`; the generation time per step the training thread waits for (`timing/generate`; with async
+generation, `timing/rollout_wait`: a batch and its oversampling generated ahead, the extra rounds at the step); the
+share of informative groups in the trained batches (with filtering `dynamic_sampling/informative_share`, without it
+1 - TRL's `frac_reward_zero_std`); and the groups generated per group trained (1.0 without filtering). A run that does not reach the threshold within
 `MAX_STEPS` counts as `MAX_STEPS` (said in the table).
 
 Targets (issue 35): >= 1.5x fewer optimizer steps to the threshold, at <= 1.3x the generation time per step.
@@ -22,7 +23,8 @@ Targets (issue 35): >= 1.5x fewer optimizer steps to the threshold, at <= 1.3x t
 
 `--quick` (under a minute on 2 CPU cores) runs one seed for 2 steps per side: it checks the harness only. `--json
 FILE` writes every figure under a stable key, e.g. `dynamic_sampling.steps_ratio`,
-`dynamic_sampling.filtered.generation_s_per_step`, `dynamic_sampling.plain.informative_share`.
+`dynamic_sampling.filtered.generation_s_per_step`, `dynamic_sampling.plain.informative_share`, and the async sides'
+under `dynamic_sampling.async.`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ MAX_STEPS = 40
 LEARNING_RATE = 0.02
 SEEDS = (0, 1, 2)
 STEPS_TARGET, GENERATION_TARGET = 1.5, 1.3
+SIDES = {"plain": (False, False), "filtered": (True, False), "async.plain": (False, True),
+         "async.filtered": (True, True)}  # name: (filtering, async_generation)
+GENERATION_PART = {False: "timing/generate", True: "timing/rollout_wait"}  # the training thread waiting for it
 
 
 def holds_target(completion_ids, **kwargs) -> list[float]:
@@ -53,7 +58,8 @@ def holds_target(completion_ids, **kwargs) -> list[float]:
     return [1.0 if TARGET_TOKEN in ids else 0.0 for ids in completion_ids]
 
 
-def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps: int, learning_rate: float) -> dict:
+def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps: int, learning_rate: float,
+        asynchronous: bool = False) -> dict:
     """One training run generating on the server at `url` (its trainer gives it the initial weights first: the
     server reports another run's); what the table reports for it."""
     from transformers import TrainerCallback
@@ -85,7 +91,7 @@ def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps:
         output_dir=str(out), per_device_train_batch_size=16, num_generations=4, max_completion_length=16,
         max_steps=max_steps, learning_rate=learning_rate, beta=0.0, temperature=1.0, logging_steps=1, seed=seed,
         report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, generation_url=url,
-        dynamic_sampling=filtering)
+        dynamic_sampling=filtering, async_generation=asynchronous)
     trainer = RemoteGRPOTrainer(model=str(model), reward_funcs=holds_target_recorded, args=args,
                                 train_dataset=arithmetic_prompts(64), callbacks=[StopAtThreshold()])
     trainer.train()
@@ -99,7 +105,7 @@ def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps:
         share, cost = statistics.fmean(1.0 - h["frac_reward_zero_std"] for h in steps), 1.0
     return {"steps": reached.get("step", max_steps), "reached": "step" in reached,
             "wall_s": reached.get("wall_s", wall_s),
-            "generation_s_per_step": statistics.fmean(h["timing/generate"] for h in steps),
+            "generation_s_per_step": statistics.fmean(h[GENERATION_PART[asynchronous]] for h in steps),
             "informative_share": share, "groups_generated_per_kept": cost}
 
 
@@ -111,47 +117,51 @@ def main() -> int:
     options = parser.parse_args()
     seeds, max_steps = (SEEDS[:1], 2) if options.quick else (SEEDS, MAX_STEPS)
     facts = machine_facts(options.quick)
-    results: dict[str, list[dict]] = {"plain": [], "filtered": []}
+    results: dict[str, list[dict]] = {side: [] for side in SIDES}
     from open_r1_ext.launch.local_server import BuiltinServer
 
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir(Path(tmp), "tiny")
         with BuiltinServer(str(model), deterministic=True, extra_args=("--no-ref-slot",)) as server:
             for seed in seeds:
-                for side, filtering in (("plain", False), ("filtered", True)):  # same seed, side by side
+                for side, (filtering, asynchronous) in SIDES.items():  # same seed, side by side
                     results[side].append(run(model, server.url, Path(tmp) / f"{side}-{seed}", seed, filtering,
-                                             max_steps, options.learning_rate))
+                                             max_steps, options.learning_rate, asynchronous))
     figures = dict(facts)
     for side, runs in results.items():
         for key in ("steps", "wall_s", "generation_s_per_step", "informative_share", "groups_generated_per_kept"):
             figures[f"dynamic_sampling.{side}.{key}"] = statistics.median(r[key] for r in runs)
         figures[f"dynamic_sampling.{side}.reached"] = sum(r["reached"] for r in runs)
-    plain, filtered = (f"dynamic_sampling.{side}." for side in ("plain", "filtered"))
-    figures["dynamic_sampling.steps_ratio"] = figures[plain + "steps"] / figures[filtered + "steps"]
-    figures["dynamic_sampling.wall_ratio"] = figures[plain + "wall_s"] / figures[filtered + "wall_s"]
-    figures["dynamic_sampling.generation_ratio"] = (figures[filtered + "generation_s_per_step"]
-                                                    / figures[plain + "generation_s_per_step"])
+    for mode in ("", "async."):
+        plain, filtered = (f"dynamic_sampling.{mode}{side}." for side in ("plain", "filtered"))
+        figures[f"dynamic_sampling.{mode}steps_ratio"] = figures[plain + "steps"] / figures[filtered + "steps"]
+        figures[f"dynamic_sampling.{mode}wall_ratio"] = figures[plain + "wall_s"] / figures[filtered + "wall_s"]
+        figures[f"dynamic_sampling.{mode}generation_ratio"] = (figures[filtered + "generation_s_per_step"]
+                                                               / figures[plain + "generation_s_per_step"])
     figures.update({"dynamic_sampling.seeds": len(seeds), "dynamic_sampling.max_steps": max_steps,
                     "dynamic_sampling.threshold": THRESHOLD, "dynamic_sampling.learning_rate": options.learning_rate})
     print(header(facts))
     print(f"seeds {list(seeds)}, medians; learning rate {options.learning_rate}; threshold: success rate >= "
-          f"{THRESHOLD} over {WINDOW} steps, at most "
-          f"{max_steps} steps (runs that reached it: plain {figures[plain + 'reached']}/{len(seeds)}, filtered "
-          f"{figures[filtered + 'reached']}/{len(seeds)})")
-    rows = [(label, f"{figures[plain + key]:{fmt}}", f"{figures[filtered + key]:{fmt}}")
+          f"{THRESHOLD} over {WINDOW} steps, at most {max_steps} steps (runs that reached it: "
+          + ", ".join(f"{side} {figures[f'dynamic_sampling.{side}.reached']}/{len(seeds)}" for side in SIDES) + ")")
+    rows = [(label, *(f"{figures[f'dynamic_sampling.{side}.{key}']:{fmt}}" for side in SIDES))
             for label, key, fmt in (("optimizer steps to the threshold", "steps", "g"),
                                     ("wall time to the threshold (s)", "wall_s", ".1f"),
-                                    ("generation time per step (s)", "generation_s_per_step", ".3f"),
+                                    ("generation time per step (s): waited for it", "generation_s_per_step", ".3f"),
                                     ("informative groups per trained batch", "informative_share", ".0%"),
                                     ("groups generated per group trained", "groups_generated_per_kept", ".2f"))]
-    print(markdown_table(("measurement", "plain GRPO", "dynamic sampling"), rows))
-    print(markdown_table(("measurement", "value", "target", "met"), [
-        ("steps, plain / filtered", f"{figures['dynamic_sampling.steps_ratio']:.2f}", f">= {STEPS_TARGET}",
-         verdict(figures["dynamic_sampling.steps_ratio"] >= STEPS_TARGET)),
-        ("generation time per step, filtered / plain", f"{figures['dynamic_sampling.generation_ratio']:.2f}",
-         f"<= {GENERATION_TARGET}", verdict(figures["dynamic_sampling.generation_ratio"] <= GENERATION_TARGET)),
-        ("wall time to the threshold, plain / filtered", f"{figures['dynamic_sampling.wall_ratio']:.2f}", "-", "-"),
-    ]))
+    print(markdown_table(("measurement", "plain GRPO", "dynamic sampling", "plain, async generation",
+                          "dynamic sampling, async generation"), rows))
+    ratios = []
+    for mode, label in (("", ""), ("async.", ", async generation")):
+        steps, generation, wall = (figures[f"dynamic_sampling.{mode}{key}"]
+                                   for key in ("steps_ratio", "generation_ratio", "wall_ratio"))
+        ratios += [(f"steps, plain / filtered{label}", f"{steps:.2f}", f">= {STEPS_TARGET}",
+                    verdict(steps >= STEPS_TARGET)),
+                   (f"generation time per step, filtered / plain{label}", f"{generation:.2f}",
+                    f"<= {GENERATION_TARGET}", verdict(generation <= GENERATION_TARGET)),
+                   (f"wall time to the threshold, plain / filtered{label}", f"{wall:.2f}", "-", "-")]
+    print(markdown_table(("measurement", "value", "target", "met"), ratios))
     if options.json:
         write_json(options.json, figures)
     return 0

@@ -6,11 +6,13 @@ so its reference and policy log-probs are computed for them alone. Every process
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
 import math
 import random
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -70,6 +72,7 @@ class DynamicSampling:
         self.informative_share = 1.0  # of the last batch's groups generated: its inverse is the next oversampling
         self._sampled: Optional[tuple[list, tuple]] = None  # the kept batch, for TRL's `_generate`
         self._rewards: Optional[torch.Tensor] = None  # its rewards, for TRL's `_calculate_rewards`
+        self._ahead: deque[tuple[str, list[dict]]] = deque()  # (a batch read ahead, its oversampled rows): `ahead`
         self._warned = False
 
     # ------------------------------------------------------------------ the batch
@@ -81,12 +84,16 @@ class DynamicSampling:
         processes, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
         local_groups = len(inputs) // size
         needed = local_groups * processes
-        factor = min(self.max_oversampling, 1.0 / self.informative_share if self.informative_share > 0 else math.inf)
-        refills = self._refills(batch_prompts=[row["prompt"] for row in inputs[::size]])
-        oversampled = self._refill(refills, max(0, math.ceil(local_groups * (factor - 1.0) - 1e-9)))
-        if trainer.args.async_generation:  # the batch was generated ahead: its oversampling now, after it
+        factor = self._factor()
+        prompts = [row["prompt"] for row in inputs[::size]]
+        oversampled = self._take_ahead(prompts)
+        refills = self._refills(prompts + [row["prompt"] for row in (oversampled or [])[::size]])
+        if oversampled is None:
+            oversampled = self._refill(refills, self._oversampled_groups(local_groups))
+        if trainer.args.in_flight_updates:  # the batch's groups completed in flight: its oversampling now, after it
             pool = self._sample(inputs) + (self._sample(oversampled) if oversampled else [])
-        else:  # one request for both, the data loader's groups first in the pool as with two
+        else:  # one request for both (with async generation, sent when the batch was read ahead: `ahead`), the data
+            # loader's groups first in the pool as with two
             sampled = self._sample(inputs + oversampled)
             chunk = len(sampled) // processes
             pool = [g for r in range(processes) for g in sampled[r * chunk:r * chunk + local_groups]] + [
@@ -110,6 +117,17 @@ class DynamicSampling:
         mine = chosen[rank * local_groups:(rank + 1) * local_groups]
         self._hand_to_trl(chosen, mine)
         return [row for g in mine for row in g.rows]
+
+    def ahead(self, batch: list[dict]) -> list[dict]:
+        """With `async_generation`, for a generation batch read ahead (TRL's rows): the oversampled rows to generate
+        with it in one request, as many as `fill` would ask for now (the informative share known when it is read),
+        drawn in an order seeded by the batch's prompts (a resumed run that reads the batch again draws the same);
+        `fill` takes them with the batch."""
+        size = self.trainer.num_generations
+        prompts = [row["prompt"] for row in batch[::size]]
+        rows = self._refill(self._refills(prompts, salt=_digest(prompts)), self._oversampled_groups(len(batch) // size))
+        self._ahead.append((_digest(prompts), rows))
+        return rows
 
     def take_sampled(self, prompts: list) -> Optional[tuple]:
         """TRL's `_generate` output for the batch `fill` formed (None if it formed none)."""
@@ -182,15 +200,32 @@ class DynamicSampling:
         std = nanstd(decisive.view(-1, size), dim=1)
         return (std > self.min_std) & ~torch.isclose(std, torch.zeros_like(std))
 
-    def _refills(self, batch_prompts: list) -> Iterator[dict]:
+    def _factor(self) -> float:
+        """How many times a batch's groups to ask for at once: 1 / the last batch's informative share, bounded."""
+        return min(self.max_oversampling, 1.0 / self.informative_share if self.informative_share > 0 else math.inf)
+
+    def _oversampled_groups(self, local_groups: int) -> int:
+        """The groups a process asks for beyond its batch's `local_groups` in a batch's first round."""
+        return max(0, math.ceil(local_groups * (self._factor() - 1.0) - 1e-9))
+
+    def _take_ahead(self, prompts: list) -> Optional[list[dict]]:
+        """The oversampled rows `ahead` drew for the batch of `prompts`, if it did (older ones are dropped: a batch read
+        ahead and never trained, e.g. at the end of `train()`)."""
+        while self._ahead:
+            digest, rows = self._ahead.popleft()
+            if digest == _digest(prompts):
+                return rows
+        return None
+
+    def _refills(self, batch_prompts: list, salt: object = None) -> Iterator[dict]:
         """The training set's rows that may refill this generation batch, in a random order seeded by (seed, step,
-        process), so that a resumed step draws the same ones: each prompt once before any twice, the `batch_prompts`
-        (the data loader's, already sampled) after the others in each pass. A round never draws again a prompt whose
-        group was just filtered while others are left."""
+        process), or `salt` for the step, so that a resumed step draws the same ones: each prompt once before any
+        twice, the `batch_prompts` (the data loader's and those drawn ahead, already sampled) after the others in each
+        pass. A round never draws again a prompt whose group was just filtered while others are left."""
         trainer = self.trainer
         dataset = trainer.train_dataset
-        rng = random.Random(f"{trainer.args.seed}/{trainer.state.global_step}/{trainer.accelerator.process_index}/"
-                            "dynamic-sampling")
+        salt = trainer.state.global_step if salt is None else salt
+        rng = random.Random(f"{trainer.args.seed}/{salt}/{trainer.accelerator.process_index}/dynamic-sampling")
         while True:
             drawn, later = set(), []
             while len(drawn) < len(dataset):  # a lazy shuffle: a step draws a few rows of a set of any size
@@ -240,6 +275,10 @@ class DynamicSampling:
             "(dynamic_sampling_max_rounds): it trains them with filtered groups (zero advantage) in the rest. "
             "Said once; dynamic_sampling/informative_share logs it at every step.",
             self.trainer.state.global_step + 1, kept, needed, rounds)
+
+
+def _digest(prompts: list) -> str:
+    return hashlib.blake2b(repr(prompts).encode(), digest_size=8).hexdigest()
 
 
 def dynamic_sampling(trainer) -> Optional[DynamicSampling]:

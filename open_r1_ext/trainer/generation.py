@@ -436,8 +436,11 @@ class AsyncRemoteGeneration(RemoteGeneration):
         return self._lookahead
 
     def _announce(self, batch) -> None:
-        """A generation batch read ahead: queue its generation behind the reloads queued so far."""
+        """A generation batch read ahead: queue its generation behind the reloads queued so far (with
+        `dynamic_sampling`, in one request with the prompts that oversample it)."""
         self.ensure_weights()
+        if self.trainer.dynamic_sampling is not None:
+            batch = [*batch, *self.trainer.dynamic_sampling.ahead(batch)]
         prompt_ids, _, _ = self.trainer._tokenize_prompts([example["prompt"] for example in batch])
         seeds = self._seeds(len(prompt_ids), salt=self._lookahead.read if self._lookahead else 0)
         self.rollouts.submit_generation(prompts_key(prompt_ids), self._job(prompt_ids, self.trainer.num_generations, seeds))

@@ -146,3 +146,15 @@ def test_bench_pool_quick_writes_json(tmp_path):
                                                                   "cache_bound_samples", "direct_samples_s")]
     assert len({len(s) for s in samples}) == 1  # one of each per round
     assert figures["pool.generate.ratio_min"] <= figures["pool.generate.ratio_to_bound"] <= figures["pool.generate.ratio_max"]
+
+
+def test_bench_dynamic_sampling_quick_writes_json(tmp_path):
+    figures = run_quick_bench("bench_dynamic_sampling.py", tmp_path / "dynamic_sampling.json")
+    sides = ("plain", "filtered", "async.plain", "async.filtered")
+    assert_finite_positive(figures, [
+        *(f"dynamic_sampling.{side}.{key}" for side in sides
+          for key in ("steps", "wall_s", "generation_s_per_step", "groups_generated_per_kept")),
+        *(f"dynamic_sampling.{mode}{ratio}" for mode in ("", "async.")
+          for ratio in ("steps_ratio", "generation_ratio", "wall_ratio")), "machine.cpu_cores"])
+    assert figures["dynamic_sampling.plain.groups_generated_per_kept"] == 1.0  # nothing filtered without the filter
+    assert figures["dynamic_sampling.seeds"] == 1 and figures["dynamic_sampling.max_steps"] == 2

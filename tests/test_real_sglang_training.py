@@ -1,6 +1,6 @@
-"""The trainer against real SGLang 0.5.23 on the CPU, through its Python API: the module's `sglang_server` (`a`) and a
-second server that also loads LoRA adapters (`b`), each put back on its start-up weights, without adapters, after a
-test that changed them.
+"""The trainer against real SGLang 0.5.23 on the CPU, through its Python API: the shared SGLang server (`a`,
+`shared_sglang`) and a second server that also loads LoRA adapters (`b`), each put back on its start-up weights,
+without adapters, after a test that changed them.
 
 - The end-to-end runs (#21 item 4): weight sync every step with a reference server of its own that is re-synced,
   async generation, a pool of two generation replicas with one killed mid-run and brought back (weights synced by
@@ -44,13 +44,13 @@ def logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def test_kl_against_sglang_at_temperature_07_is_zero_at_identical_weights(tiny_model, sglang_server, tmp_path):
+def test_kl_against_sglang_at_temperature_07_is_zero_at_identical_weights(tiny_model, shared_sglang, tmp_path):
     """Step 1 trains the reference's own weights: KL 0 (SGLang's log-probs equal a local forward within ~1e-3, so
     within ~1e-6 of 0; before the fix the untempered SGLang reference against the tempered policy logged ~3e-3).
     Step 2 (the policy moved): the same KL as TRL's local reference scored at temperature 1."""
     settings = dict(temperature=0.7, max_steps=2)
     remote = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, train_dataset=tiny_dataset(),
-                               args=tiny_config(tmp_path / "sglang", ref_model_url=sglang_server.url, **settings))
+                               args=tiny_config(tmp_path / "sglang", ref_model_url=shared_sglang.url, **settings))
     remote.train()
     local = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, train_dataset=tiny_dataset(),
                               args=tiny_config(tmp_path / "local", **settings))
@@ -66,12 +66,12 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-def test_the_openai_client_on_sglang_completions(sglang_server, tokenizer, tiny_model):
+def test_the_openai_client_on_sglang_completions(shared_sglang, tokenizer, tiny_model):
     """What SGLang's /v1/completions can do (the probe), the weight version it says (also after a reload), and the
     sampling settings sent under their names and honoured: a greedy completion of the tiny model repeats a token;
     `repetition_penalty` and `frequency_penalty` (generation_kwargs) change it, `min_p: 1.0` at temperature 1 keeps
     only the top token, i.e. the greedy completion."""
-    client = OpenAICompletionsClient(sglang_server.url, tokenizer)
+    client = OpenAICompletionsClient(shared_sglang.url, tokenizer)
     client.wait_until_healthy(timeout=60, progress=False)
     assert client.abilities == ServerAbilities(token_id_prompts=True, prompt_lists=True, n_in_one_request=True,
                                                token_ids=True, logprobs=True, extensions=True, reloads_weights=True)
@@ -97,15 +97,15 @@ def test_the_openai_client_on_sglang_completions(sglang_server, tokenizer, tiny_
         assert client.http.update_weights_from_disk(str(tiny_model), weight_version="5")["success"]
         assert {c.weight_version for g in client.generate([[1, 2]], {"max_new_tokens": 2}, n=2) for c in g} == {"5"}
     finally:
-        restore_default_weights(sglang_server.url, tiny_model)
+        restore_default_weights(shared_sglang.url, tiny_model)
 
 
-def test_a_grpo_run_with_the_openai_backend_on_sglang(tiny_model, sglang_server, tmp_path):
+def test_a_grpo_run_with_the_openai_backend_on_sglang(tiny_model, shared_sglang, tmp_path):
     """A tiny GRPO run generating through SGLang's /v1/completions (temperature 0.7, min_p, repetition_penalty and a
     generation_kwargs setting sent), each step's policy synced through SGLang's /update_weights_from_disk: each batch
     was sampled from the previous step's weights (rollouts.jsonl: staleness 0), SGLang ends on the last step's
     weights, and TRL's importance sampling ran on SGLang's sampling log-probs."""
-    args = tiny_config(tmp_path, max_steps=3, generation_url=sglang_server.url, generation_backend="openai", beta=0.0,
+    args = tiny_config(tmp_path, max_steps=3, generation_url=shared_sglang.url, generation_backend="openai", beta=0.0,
                        temperature=0.7, min_p=0.01, repetition_penalty=1.05, generation_kwargs={"presence_penalty": 0.1})
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=reward_len, args=args, train_dataset=tiny_dataset())
     http = trainer.remote_generation.client.http
@@ -118,9 +118,9 @@ def test_a_grpo_run_with_the_openai_backend_on_sglang(tiny_model, sglang_server,
     http.post_json = recorded
     try:
         trainer.train()
-        assert requests.get(f"{sglang_server.url}/model_info", timeout=30).json()["weight_version"] == "3"
+        assert requests.get(f"{shared_sglang.url}/model_info", timeout=30).json()["weight_version"] == "3"
     finally:
-        restore_default_weights(sglang_server.url, tiny_model)
+        restore_default_weights(shared_sglang.url, tiny_model)
     rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert [(r["step"], r["weight_version"], r["staleness"]) for r in rollouts] == [(1, 0, 0), (2, 1, 0), (3, 2, 0)]
     synced = [json.loads(line) for line in (tmp_path / "weight_sync.jsonl").read_text().splitlines()]
@@ -140,7 +140,7 @@ ATOL = 2e-3
 @pytest.fixture(scope="module", autouse=True)
 def lora_sglang(tiny_model, sglang_python, tmp_path_factory):
     """`{"b": server}`: a second SGLang server on the tiny model that also loads LoRA adapters (rank 4, every linear
-    layer), launched as the module starts, so that it starts beside `sglang_server`. A test that replaces it (killed
+    layer), launched as the module starts, so that it starts beside `shared_sglang` (if that one is not up yet). A test that replaces it (killed
     and restarted) puts the new one in the dict; what is there is stopped at the end."""
     log = tmp_path_factory.mktemp("sglang-b") / "b.log"
     servers = {"b": SGLangServer(str(tiny_model), python=sglang_python, log_path=str(log), extra_args=(*SGLANG_FLOAT32, *LORA_FLAGS))}
@@ -152,10 +152,10 @@ def lora_sglang(tiny_model, sglang_python, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sglang_pair(lora_sglang, sglang_server):
-    """`{"a": sglang_server, "b": the LoRA server}`, both healthy."""
+def sglang_pair(lora_sglang, shared_sglang):
+    """`{"a": shared_sglang, "b": the LoRA server}`, both healthy."""
     lora_sglang["b"].wait_until_healthy()
-    lora_sglang["a"] = sglang_server
+    lora_sglang["a"] = shared_sglang
     return lora_sglang
 
 

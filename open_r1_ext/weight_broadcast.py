@@ -1,7 +1,8 @@
 """Weight sync over the network: the trainer's main process broadcasts the policy to SGLang-protocol servers with
 SGLang 0.5.23's distributed weight update (`/init_weights_update_group`, then per update `/begin_weight_update`,
 one `/update_weights_from_distributed` per bucket, `/end_weight_update`), NCCL between GPUs, gloo otherwise. The
-trainer's `weight_sync` feeds it the buckets of its one bucket walk; the built-in server forms its side of a group
+trainer's `weight_sync` feeds it the buckets of its one bucket walk (or, with in-flight updates, copies of them
+`stage`d in host memory, broadcast from another thread); the built-in server forms its side of a group
 with `weight_update_group` and unpacks buckets with `unflatten`. No TRL here.
 
 Design (measured figures: docs/benchmarks.md, *Weight sync over the network*):

@@ -365,12 +365,11 @@ class InFlightGeneration(AsyncRemoteGeneration):
     def _send(self, step: int, only: Optional[list[str]] = None, collective: bool = True) -> Optional[str]:
         """`transport: distributed`, sent from this thread: a catch-up (`catch_up`: a sync of its own, or to the servers
         that lost the weights) with the generation servers paused around it, as a reload; the main process's training
-        thread waits for it all (`timing/reload_wait`). SGLang takes a
-        distributed update at once while paused, its cache flushed with the retracted requests waiting. A server
-        that does not answer the pause fails the broadcast too, which the main process enters all the same (a
-        collective). A failed sync is kept for `_wait_for_weights` to report. A LoRA adapter goes in the request
-        instead, loaded beside the one in use, then the requests under way aborted, as after an adapter dump's load
-        (`_push_logged`)."""
+        thread waits for it all (`timing/reload_wait`). SGLang takes a distributed update at once while paused, its
+        cache flushed with the retracted requests waiting. A server that does not answer the pause fails the
+        broadcast too, which the main process enters all the same (a collective). A failed sync is kept for
+        `_wait_for_weights` to report. A LoRA adapter goes in the request instead, loaded beside the one in use, then
+        the requests under way aborted, as after an adapter dump's load (`_push_logged`)."""
         send = super()._send
         if self.target.adapter:
             return self._send_adapter(step, collective)

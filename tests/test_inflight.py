@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -21,7 +22,8 @@ from transformers import TrainerCallback
 from open_r1_ext import RemoteGRPOTrainer, weight_broadcast
 from open_r1_ext.launch.run_status import staleness
 from open_r1_ext.protocol import sampling_params
-from open_r1_ext.sglang_client import SGLangClient
+from open_r1_ext.launch.local_server import BuiltinServer
+from open_r1_ext.sglang_client import ServerError, SGLangClient
 from open_r1_ext.trainer.inflight import STATE_FILE, InFlightGeneration
 from open_r1_ext.trainer.weight_sync import WeightSyncError
 from tests.helpers import (arithmetic_prompts, engine_at, restore_default_weights, server_like, tiny_config,
@@ -502,3 +504,35 @@ def test_the_default_bound_is_a_batch_per_step_of_staleness_allowed(tmp_path):
                                               gradient_accumulation_steps=2)) == 4 * 2 * groups
     assert prompts_in_flight(in_flight_config(tmp_path, "http://x:1", max_prompts_in_flight=3)) == 3
     assert prompts_in_flight(in_flight_config(tmp_path, "http://x:1", in_flight_updates=False)) == 0
+
+
+def test_a_single_server_killed_mid_broadcast_stops_training_with_a_checkpoint(tiny_model, tmp_path, monkeypatch):
+    """In-flight over the network with one server of its own: killed (SIGKILL) while paused for the sync of step 2,
+    between the first and the second bucket. The broadcast fails, the groups it held fail, and training stops with a
+    message naming the server and a checkpoint to resume from, as a failed in-flight reload does (README, failure
+    behaviour)."""
+    doomed = BuiltinServer(str(tiny_model), log_path=str(tmp_path / "server.log")).start()
+    killed = []
+    send = weight_broadcast.WeightUpdate.send_flat
+
+    def kill_then_send(self, index, layout, fill):
+        if index == 1 and self.version == "2" and not killed:
+            killed.append(doomed.process.pid)
+            doomed.stop(signal.SIGKILL)
+        send(self, index, layout, fill)
+
+    monkeypatch.setattr(weight_broadcast.WeightUpdate, "send_flat", kill_then_send)
+    args = in_flight_config(tmp_path, doomed.url, max_steps=8, max_weight_staleness=1, transport="distributed",
+                            bucket_mb=0.05, max_retries=1, request_timeout=10)
+    trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
+    try:
+        with pytest.raises(ServerError) as failed:
+            trainer.train()
+    finally:
+        doomed.stop()
+    message = str(failed.value)
+    assert killed and doomed.url in message, message
+    stopped = re.search(r"Training stopped at step (\d+)\. A checkpoint to resume from is in (\S+):", message)
+    assert stopped and 2 <= int(stopped.group(1)) <= 3, message
+    assert (Path(stopped.group(2)) / "trainer_state.json").is_file()
+    assert not (tmp_path / "weights").exists()

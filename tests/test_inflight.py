@@ -3,7 +3,8 @@ stale groups are dropped and sent again, never trained), completions span weight
 two syncs has its weights restored (built-in servers); a run learns the demo task (the demo recipe on its built-in
 server, and in-process on real SGLang); a run stopped mid-way resumes without losing or doubling a group, and a
 replica killed while paused loses nothing (each on the built-in server and on real SGLang 0.5.23 on the CPU,
-`any_server`). (A plain in-flight run on both servers: tests/test_pause_generation.py.)"""
+`any_server`); over the network, a replica killed mid-broadcast loses nothing and a single server killed so stops
+training with a checkpoint (built-in servers). (A plain in-flight run on both servers: tests/test_pause_generation.py.)"""
 
 import json
 import re

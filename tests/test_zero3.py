@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,12 @@ def test_zero3_distributed_sync_sends_from_the_main_process_one_gathered_bucket_
     assert main["stage"] == 3 and main["broadcaster"] and not other["broadcaster"]
     assert main["buckets"] > 4 and main["sent"] == list(range(main["buckets"])) * 2  # every bucket, every sync
     assert other["sent"] == []
+    if mode == "in-flight":  # each process kept its own prompts in flight; every group it trained logged once
+        log = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+        trained = Counter((e["process"], e["epoch"], *e["group"]) for e in log if not e.get("dropped"))
+        assert {process for process, *_ in trained} == {0, 1} and set(trained.values()) == {1}, log
+        steps = Counter(e["step"] for e in log if not e.get("dropped"))
+        assert set(steps) == {1, 2} and steps[1] == steps[2], log
     client = SGLangClient(server.url)
     assert client.weight_version() == "2" and [p.name for p in (tmp_path / "weights").iterdir()] == ["step-99"]
     sequences = [[5, 6, 7, 8, 9], [10, 11, 12]]

@@ -12,13 +12,15 @@ venv: $(VENV)/.installed
 
 # torch is pinned to the CPU wheel first; constraints.txt keeps every later install from replacing it.
 # DeepSpeed's CPU communication op (~45 s of CPU to compile, at a trainer's first start otherwise) is built into the
-# venv's $(TORCH_EXTENSIONS), where the tests point TORCH_EXTENSIONS_DIR (tests/conftest.py).
+# venv's $(TORCH_EXTENSIONS), where the tests point TORCH_EXTENSIONS_DIR, by the venv's ninja (pip's, first on PATH), as
+# every process of the tests finds it (tests/conftest.py): a system ninja builds the op again after it, and it after one.
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
-	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/$(TORCH_EXTENSIONS) $(PY) -c "from deepspeed.accelerator import \
-	    get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
+	PATH=$(abspath $(VENV))/bin:$$PATH TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/$(TORCH_EXTENSIONS) \
+	    $(PY) -c "from deepspeed.accelerator import get_accelerator; \
+	    get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
 	touch $@
 
 # Real SGLang 0.5.23 for the CPU, in a venv of its own (its pins differ from the project's): the tests' second server.

@@ -31,6 +31,12 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # rebuilt it at each switch while the other trainers waited on its lock (69 s seen). Here it is the venv's own
 # torch_extensions/, where `make venv` builds the op once; children (trainer processes, SLURM jobs) inherit it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# torch builds it with the first `ninja` on PATH: the venv's (pip's, as `make venv` and the SLURM jobs of the tests find
+# it, `slurm_helpers.job_env`) or the system's. Each of the two builds the op again after the other (their build logs
+# do not agree: ~25-45 s of CPU each time, every other trainer waiting on its lock), so every process here finds the
+# venv's first.
+if os.environ["PATH"].split(os.pathsep)[0] != str(Path(sys.prefix) / "bin"):
+    os.environ["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{os.environ['PATH']}"
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ two syncs has its weights restored (built-in servers); a run learns the demo tas
 server, and in-process on real SGLang); a run stopped mid-way resumes without losing or doubling a group, and a
 replica killed while paused loses nothing (each on the built-in server and on real SGLang 0.5.23 on the CPU,
 `any_server`); over the network, a replica killed mid-broadcast loses nothing and a single server killed so stops
-training with a checkpoint (built-in servers). (A plain in-flight run on both servers: tests/test_pause_generation.py.)"""
+training with a checkpoint (built-in servers). (A plain in-flight run on both servers:
+tests/test_pause_generation.py.)"""
 
 import json
 import re
@@ -21,9 +22,9 @@ import torch
 from transformers import TrainerCallback
 
 from open_r1_ext import RemoteGRPOTrainer, weight_broadcast
+from open_r1_ext.launch.local_server import BuiltinServer
 from open_r1_ext.launch.run_status import staleness
 from open_r1_ext.protocol import sampling_params
-from open_r1_ext.launch.local_server import BuiltinServer
 from open_r1_ext.sglang_client import ServerError, SGLangClient
 from open_r1_ext.trainer.inflight import STATE_FILE, InFlightGeneration
 from open_r1_ext.trainer.weight_sync import WeightSyncError
@@ -224,8 +225,8 @@ def test_a_tiny_run_with_in_flight_updates_learns_on_real_sglang(shared_sglang, 
 
 def test_in_flight_updates_over_the_network_pause_broadcast_and_continue(any_server, tiny_model, tmp_path):
     """`transport: distributed`: each sync stages the policy in memory, and the update thread pauses the server
-    (retract), broadcasts the weights and continues it, so the long groups under way go on with the new weights (unpaused, SGLang and the built-in server would let them end
-    before the update: no group would span versions). 4 prompts in flight, 2 a step: steps 2 and 3 take long groups
+    (retract), broadcasts the weights and continues it, so the long groups under way go on with the new weights
+    (unpaused, SGLang and the built-in server would let them end before the update: no group would span versions). 4 prompts in flight, 2 a step: steps 2 and 3 take long groups
     (256 tokens, ~2 s; a step ~0.5 s) sent before the first sync. Nothing is dumped; the server ends on the last
     step's weights."""
     args = in_flight_config(tmp_path, any_server.url, max_steps=3, max_weight_staleness=2, max_completion_length=256,

@@ -14,8 +14,8 @@ generated for a step, filtered ones included, so both sides measure the same thi
 reaches `THRESHOLD`; the generation time per step the training thread waits for (`timing/generate`; with async
 generation, `timing/rollout_wait`: a batch and its oversampling generated ahead, the extra rounds at the step); the
 share of informative groups in the trained batches (with filtering `dynamic_sampling/informative_share`, without it
-1 - TRL's `frac_reward_zero_std`); and the groups generated per group trained (1.0 without filtering). A run that does not reach the threshold within
-`MAX_STEPS` counts as `MAX_STEPS` (said in the table).
+1 - TRL's `frac_reward_zero_std`); and the groups generated per group trained (1.0 without filtering). A run that
+does not reach the threshold within `MAX_STEPS` counts as `MAX_STEPS` (said in the table).
 
 Targets (issue 35): >= 1.5x fewer optimizer steps to the threshold, at <= 1.3x the generation time per step.
 

@@ -274,8 +274,8 @@ class RemoteGRPOTrainer(GRPOTrainer):
         if not (in_flight and any(t.distributed and not t.adapter for t in self.weight_sync.targets)):
             absent.add("stage")  # (in-flight updates over the network stage the policy for the update thread)
         self.step_timer.parts = tuple(part for part in PARTS if part not in absent)
-        for method, part in (("dump", "dump"), ("stage", "stage"), ("publish", "reload_wait"), ("repush", "reload_wait"),
-                             ("send", "reload_wait"), ("wait_durable", "seal_wait")):
+        for method, part in (("dump", "dump"), ("stage", "stage"), ("publish", "reload_wait"),
+                             ("repush", "reload_wait"), ("send", "reload_wait"), ("wait_durable", "seal_wait")):
             self.step_timer.time_calls(self.weight_sync, method, part)
         self.add_callback(StepTimingCallback(self))
 

@@ -125,8 +125,9 @@ class DynamicSampling:
         `fill` takes them with the batch."""
         size = self.trainer.num_generations
         prompts = [row["prompt"] for row in batch[::size]]
-        rows = self._refill(self._refills(prompts, salt=_digest(prompts)), self._oversampled_groups(len(batch) // size))
-        self._ahead.append((_digest(prompts), rows))
+        digest = _digest(prompts)
+        rows = self._refill(self._refills(prompts, salt=digest), self._oversampled_groups(len(batch) // size))
+        self._ahead.append((digest, rows))
         return rows
 
     def take_sampled(self, prompts: list) -> Optional[tuple]:
@@ -211,9 +212,10 @@ class DynamicSampling:
     def _take_ahead(self, prompts: list) -> Optional[list[dict]]:
         """The oversampled rows `ahead` drew for the batch of `prompts`, if it did (older ones are dropped: a batch read
         ahead and never trained, e.g. at the end of `train()`)."""
+        wanted = _digest(prompts)
         while self._ahead:
             digest, rows = self._ahead.popleft()
-            if digest == _digest(prompts):
+            if digest == wanted:
                 return rows
         return None
 

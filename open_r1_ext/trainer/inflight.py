@@ -289,10 +289,9 @@ class InFlightGeneration(AsyncRemoteGeneration):
             else:
                 with timer.part("paused"), self._servers_paused(), timer.part("reload"):  # standing still meanwhile
                     self.weight_sync.push_and_confirm([self.target], path, step)
-            self._update_error = None
+            self._record_update(step, None)
         except ServerError as err:  # WeightSyncError among them
-            self._update_error = f"weight sync of step {step} failed: {err}"
-            logger.warning("%s", self._update_error)
+            self._record_update(step, err, log=True)
 
     def _sync_over_the_network(self, step: int) -> None:
         """`transport: distributed`, every rank: the policy's buckets staged in host memory (`WeightSync.stage`, the
@@ -326,9 +325,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
                 error = self._while_paused(broadcast)
         finally:
             staged.clear()
-        self._update_error = None if error is None else f"weight sync of step {step} failed: {error}"
-        if error is not None:
-            logger.warning("%s", self._update_error)
+        self._record_update(step, error, log=True)
 
     def _servers_behind(self) -> list[str]:
         """As `RemoteGeneration`'s, but none while a weight update runs on the update thread: a server it has paused
@@ -378,7 +375,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
         with self.trainer.step_timer.part("reload_wait"):
             error = self._while_paused(lambda: send(step, only, collective))
         if only is None:
-            self._update_error = None if error is None else f"weight sync of step {step} failed: {error}"
+            self._record_update(step, error)
         return error
 
     def _while_paused(self, send: Callable[[], Optional[str]]) -> Optional[str]:
@@ -405,8 +402,15 @@ class InFlightGeneration(AsyncRemoteGeneration):
             if error is None:
                 self._abort_in_flight(f"to continue them with the adapter of step {step}",
                                       lambda: self.weight_sync.retire_adapters(self.target))
-            self._update_error = None if error is None else f"weight sync of step {step} failed: {error}"
+            self._record_update(step, error)
         return error
+
+    def _record_update(self, step: int, error: Optional[object], log: bool = False) -> None:
+        """Keep the outcome of the sync of `step` (None: it succeeded) for `_wait_for_weights` to report; `log`: warn
+        of a failure now."""
+        self._update_error = None if error is None else f"weight sync of step {step} failed: {error}"
+        if log and error is not None:
+            logger.warning("%s", self._update_error)
 
     def _restore_dump(self) -> None:
         """Update thread: give the generation server(s) the last confirmed dump again if they lost its weights."""

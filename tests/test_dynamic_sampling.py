@@ -5,6 +5,7 @@ and a step's rounds draw each prompt once before any twice, the batch's own last
 the 2 informative groups a batch of 8 prompts needs): no assertion rests on sampling luck."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -118,6 +119,23 @@ def assert_informative_full_batches(trainer, batches: int) -> None:
             assert any(abs(a) > 1e-3 for a in advantages), advantages
 
 
+def assert_rounds_sized_by_share(trainer, needed: int, most: int) -> None:
+    """Each step's extra rounds asked for the groups still missing over the informative share that step's rounds had
+    found so far (all of `most` when they had found none), at most `most` groups; some step had one."""
+    uniform = {f"What is {i} + {i}?" for i in range(0, 8, 2)}
+    extra_rounds = 0
+    for step, sizes in trainer.requests.items():
+        texts, found, generated = iter(trainer.generated[step]), 0, 0
+        for size in sizes:
+            if generated:
+                share = found / generated
+                assert size == (min(math.ceil((needed - found) / share), most) if share else most), (step, sizes)
+                extra_rounds += 1
+            found += sum(next(texts) not in uniform for _ in range(size))
+            generated += size
+    assert extra_rounds, trainer.requests
+
+
 def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_model, server, tmp_path, capsys):
     trainer = train(tiny_model, server, tmp_path, prompts(uniform_every=2), max_steps=3, dynamic_sampling=True)
     assert_informative_full_batches(trainer, batches=3)
@@ -129,6 +147,7 @@ def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_m
     # filtered some groups: more than 2)
     assert [len(trainer.requests[step]) for step in range(3)] == logged(trainer, "dynamic_sampling/rounds")
     assert any(requests[0] > 2 for requests in trainer.requests.values()), trainer.requests
+    assert_rounds_sized_by_share(trainer, needed=2, most=4)  # the default oversampling bound: 2x the batch's groups
     # a step's rounds draw each of the 8 prompts once before any twice: a filtered group's prompt is not drawn again
     for step, texts in trainer.generated.items():
         assert len(set(texts)) == min(len(texts), 8), (step, texts)

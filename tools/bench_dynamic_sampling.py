@@ -106,6 +106,9 @@ def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps:
     return {"steps": reached.get("step", max_steps), "reached": "step" in reached,
             "wall_s": reached.get("wall_s", wall_s),
             "generation_s_per_step": statistics.fmean(h[GENERATION_PART[asynchronous]] for h in steps),
+            "requests_s_per_step": statistics.fmean(h["timing/generate"] + h.get("background/generate", 0.0)
+                                                    for h in steps),
+            "rounds_per_step": statistics.fmean(h.get("dynamic_sampling/rounds", 1.0) for h in steps),
             "informative_share": share, "groups_generated_per_kept": cost}
 
 
@@ -129,7 +132,8 @@ def main() -> int:
                                              max_steps, options.learning_rate, asynchronous))
     figures = dict(facts)
     for side, runs in results.items():
-        for key in ("steps", "wall_s", "generation_s_per_step", "informative_share", "groups_generated_per_kept"):
+        for key in ("steps", "wall_s", "generation_s_per_step", "requests_s_per_step", "rounds_per_step",
+                    "informative_share", "groups_generated_per_kept"):
             figures[f"dynamic_sampling.{side}.{key}"] = statistics.median(r[key] for r in runs)
         figures[f"dynamic_sampling.{side}.reached"] = sum(r["reached"] for r in runs)
     for mode in ("", "async."):
@@ -148,6 +152,8 @@ def main() -> int:
             for label, key, fmt in (("optimizer steps to the threshold", "steps", "g"),
                                     ("wall time to the threshold (s)", "wall_s", ".1f"),
                                     ("generation time per step (s): waited for it", "generation_s_per_step", ".3f"),
+                                    ("generation time per step (s): its requests", "requests_s_per_step", ".3f"),
+                                    ("generation rounds per step", "rounds_per_step", ".2f"),
                                     ("informative groups per trained batch", "informative_share", ".0%"),
                                     ("groups generated per group trained", "groups_generated_per_kept", ".2f"))]
     print(markdown_table(("measurement", "plain GRPO", "dynamic sampling", "plain, async generation",

@@ -224,7 +224,9 @@ class RemoteGRPOConfig(GRPOConfig):
         dynamic_sampling_max_oversampling (`float`, *optional*, defaults to `2.0`):
             When the last generation batch's groups were partly filtered, the next one asks for more prompts at once
             (1 / the informative share last time, at most this multiple of the batch's prompts), so that a step
-            rarely needs a second round; 1.0 turns oversampling off. Informative groups beyond the batch are dropped.
+            rarely needs a second round; 1.0 turns oversampling off. An extra round asks for the groups still
+            missing over the informative share this batch's rounds have found so far, at most this multiple of the
+            batch's prompts too. Informative groups beyond the batch are dropped.
     """
 
     ref_model_url: Optional[Union[str, list[str]]] = field(
@@ -370,8 +372,8 @@ class RemoteGRPOConfig(GRPOConfig):
     )
     dynamic_sampling_max_oversampling: float = field(
         default=2.0,
-        metadata={"help": "With dynamic_sampling: ask for up to this multiple of a batch's prompts when recent groups "
-                          "were mostly filtered (1.0: never more)."},
+        metadata={"help": "With dynamic_sampling: ask for up to this multiple of a batch's prompts in a round when "
+                          "recent groups were mostly filtered (1.0: never more)."},
     )
 
     def __post_init__(self):

@@ -84,7 +84,6 @@ class DynamicSampling:
         processes, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
         local_groups = len(inputs) // size
         needed = local_groups * processes
-        factor = self._factor()
         prompts = [row["prompt"] for row in inputs[::size]]
         oversampled = self._take_ahead(prompts)
         refills = self._refills(prompts + [row["prompt"] for row in (oversampled or [])[::size]])
@@ -99,10 +98,10 @@ class DynamicSampling:
             pool = [g for r in range(processes) for g in sampled[r * chunk:r * chunk + local_groups]] + [
                 g for r in range(processes) for g in sampled[r * chunk + local_groups:(r + 1) * chunk]]
         rounds = 0
-        while sum(g.informative for g in pool) < needed and rounds < self.max_rounds:
+        while (found := sum(g.informative for g in pool)) < needed and rounds < self.max_rounds:
             rounds += 1
-            missing = needed - sum(g.informative for g in pool)
-            pool += self._sample(self._refill(refills, math.ceil(missing * factor / processes)))
+            pool += self._sample(self._refill(refills, self._round_groups(needed - found, found / len(pool),
+                                                                          local_groups)))
         informative = [g for g in pool if g.informative]
         kept = informative[:needed]
         chosen = kept + [g for g in pool if not g.informative][:needed - len(kept)]
@@ -208,6 +207,13 @@ class DynamicSampling:
     def _oversampled_groups(self, local_groups: int) -> int:
         """The groups a process asks for beyond its batch's `local_groups` in a batch's first round."""
         return max(0, math.ceil(local_groups * (self._factor() - 1.0) - 1e-9))
+
+    def _round_groups(self, missing: int, share: float, local_groups: int) -> int:
+        """The groups a process asks for in an extra round: enough for the `missing` informative groups (of every
+        process) at the informative `share` of the groups this batch has generated so far, at most
+        `dynamic_sampling_max_oversampling` times its batch's `local_groups`."""
+        wanted = missing / share / self.trainer.accelerator.num_processes if share > 0 else math.inf
+        return max(1, math.ceil(min(wanted, self.max_oversampling * local_groups) - 1e-9))
 
     def _take_ahead(self, prompts: list) -> Optional[list[dict]]:
         """The oversampled rows `ahead` drew for the batch of `prompts`, if it did (older ones are dropped: a batch read

@@ -150,11 +150,14 @@ def test_bench_pool_quick_writes_json(tmp_path):
 
 def test_bench_dynamic_sampling_quick_writes_json(tmp_path):
     figures = run_quick_bench("bench_dynamic_sampling.py", tmp_path / "dynamic_sampling.json")
-    sides = ("plain", "filtered", "async.plain", "async.filtered")
+    modes = ("", "async.", "inflight.")
+    sides = [f"{mode}{name}" for mode in modes for name in ("plain", "filtered")]
     assert_finite_positive(figures, [
         *(f"dynamic_sampling.{side}.{key}" for side in sides
-          for key in ("steps", "wall_s", "generation_s_per_step", "groups_generated_per_kept")),
-        *(f"dynamic_sampling.{mode}{ratio}" for mode in ("", "async.")
+          for key in ("steps", "wall_s", "generation_s_per_step", "rounds_per_step", "groups_generated_per_kept")),
+        *(f"dynamic_sampling.{side}.requests_s_per_step" for side in sides[:4]),
+        *(f"dynamic_sampling.{mode}{ratio}" for mode in modes
           for ratio in ("steps_ratio", "generation_ratio", "wall_ratio")), "machine.cpu_cores"])
+    assert "dynamic_sampling.inflight.plain.requests_s_per_step" not in figures  # untimed in flight
     assert figures["dynamic_sampling.plain.groups_generated_per_kept"] == 1.0  # nothing filtered without the filter
     assert figures["dynamic_sampling.seeds"] == 1 and figures["dynamic_sampling.max_steps"] == 2

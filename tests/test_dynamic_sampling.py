@@ -120,8 +120,10 @@ def assert_informative_full_batches(trainer, batches: int) -> None:
 
 
 def assert_rounds_sized_by_share(trainer, needed: int, most: int) -> None:
-    """Each step's extra rounds asked for the groups still missing over the informative share that step's rounds had
-    found so far (all of `most` when they had found none), at most `most` groups; some step had one."""
+    """One generation request a round (in flight: the batch's groups, then one a round), and each step's extra rounds
+    asked for the groups still missing over the informative share that step's rounds had found so far (all of `most`
+    when they had found none), at most `most` groups; some step had one."""
+    assert [len(sizes) for sizes in trainer.requests.values()] == logged(trainer, "dynamic_sampling/rounds")
     uniform = {f"What is {i} + {i}?" for i in range(0, 8, 2)}
     extra_rounds = 0
     for step, sizes in trainer.requests.items():
@@ -143,9 +145,8 @@ def test_trains_only_informative_groups_with_the_reference_for_them_alone(tiny_m
     assert logged(trainer, "dynamic_sampling/groups_kept") == [2.0, 2.0, 2.0]
     generated = logged(trainer, "dynamic_sampling/groups_generated")
     assert sum(generated) > 6 and logged(trainer, "dynamic_sampling/informative_share") == [1.0, 1.0, 1.0]
-    # one generation request a round: the first holds the batch's 2 groups and their oversampling (after a step that
-    # filtered some groups: more than 2)
-    assert [len(trainer.requests[step]) for step in range(3)] == logged(trainer, "dynamic_sampling/rounds")
+    # the first round's request holds the batch's 2 groups and their oversampling (after a step that filtered some
+    # groups: more than 2)
     assert any(requests[0] > 2 for requests in trainer.requests.values()), trainer.requests
     assert_rounds_sized_by_share(trainer, needed=2, most=4)  # the default oversampling bound: 2x the batch's groups
     # a step's rounds draw each of the 8 prompts once before any twice: a filtered group's prompt is not drawn again
@@ -174,6 +175,10 @@ def test_overlapped_generation_and_reused_batches_train_informative_groups(tiny_
     batches = 2  # with num_iterations=2, each generation batch trains two optimizer steps
     assert_informative_full_batches(trainer, batches=batches)
     assert trainer.scored == [ROWS] * batches
+    assert_rounds_sized_by_share(trainer, needed=2, most=4)
+    if mode.get("in_flight_updates"):  # the extra rounds are generated on the training thread, and timed as such
+        steps = [h for h in trainer.state.log_history if "step_wall_time" in h]
+        assert [h["timing/generate"] > 0 for h in steps] == [h["dynamic_sampling/rounds"] > 1 for h in steps], steps
 
 
 def test_async_generation_sends_a_batch_read_ahead_with_its_oversampling(tiny_model, server, tmp_path):

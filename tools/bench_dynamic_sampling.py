@@ -3,16 +3,19 @@ prints a markdown table.
 
 The task: the tiny model (random weights, a vocabulary of 300) on the arithmetic prompts, rewarded 1.0 for a
 completion (16 tokens at most) that holds the token `2` (id 20) at least once, else 0.0: a sparse reward that the
-random policy earns in ~10-20% of its completions, so most of its groups of 4 are all-0 (no learning signal), and
-once it has learned the token most groups are all-1. Each run trains on one built-in server (deterministic sampling;
+random policy earns in ~5% of its completions (27 of 512 sampled at temperature 1), so ~80% of its groups of 4 are
+all-0 (no learning signal), and once it has learned the token most groups are all-1. Each run trains on one built-in server (deterministic sampling;
 each run's trainer loads its initial weights into it first), 16 completions (4 groups) per step, learning rate 0.02
 (`--learning-rate`), no reference (beta 0), with vs without dynamic sampling (its defaults), the same seeds for
-both, each with and without `async_generation`; 3 seeds, medians.
+both, each with synchronous generation, `async_generation` and `in_flight_updates`; 3 seeds, medians.
 
 Per run: the optimizer steps and the wall time until the policy's success rate (the mean reward of every completion
 generated for a step, filtered ones included, so both sides measure the same thing), averaged over the last 3 steps,
-reaches `THRESHOLD`; the generation time per step the training thread waits for (`timing/generate`; with async
-generation, `timing/rollout_wait`: a batch and its oversampling generated ahead, the extra rounds at the step); the
+reaches `THRESHOLD`; the generation time per step the training thread waits for (`timing/generate`,
+`timing/rollout_wait` and `timing/group_wait`: with async generation a batch and its oversampling are generated
+ahead, in flight the batch's groups, and the extra rounds at the step) and the time of its generation requests on any
+thread (`timing/generate` and `background/generate`; not in flight, where each group is a request of its own and
+untimed); the generation rounds per step; the
 share of informative groups in the trained batches (with filtering `dynamic_sampling/informative_share`, without it
 1 - TRL's `frac_reward_zero_std`); and the groups generated per group trained (1.0 without filtering). A run that
 does not reach the threshold within `MAX_STEPS` counts as `MAX_STEPS` (said in the table).
@@ -23,8 +26,8 @@ Targets (issue 35): >= 1.5x fewer optimizer steps to the threshold, at <= 1.3x t
 
 `--quick` (under a minute on 2 CPU cores) runs one seed for 2 steps per side: it checks the harness only. `--json
 FILE` writes every figure under a stable key, e.g. `dynamic_sampling.steps_ratio`,
-`dynamic_sampling.filtered.generation_s_per_step`, `dynamic_sampling.plain.informative_share`, and the async sides'
-under `dynamic_sampling.async.`.
+`dynamic_sampling.filtered.generation_s_per_step`, `dynamic_sampling.plain.informative_share`, and the async and
+in-flight sides' under `dynamic_sampling.async.` and `dynamic_sampling.inflight.`.
 """
 
 from __future__ import annotations
@@ -48,9 +51,12 @@ MAX_STEPS = 40
 LEARNING_RATE = 0.02
 SEEDS = (0, 1, 2)
 STEPS_TARGET, GENERATION_TARGET = 1.5, 1.3
-SIDES = {"plain": (False, False), "filtered": (True, False), "async.plain": (False, True),
-         "async.filtered": (True, True)}  # name: (filtering, async_generation)
-GENERATION_PART = {False: "timing/generate", True: "timing/rollout_wait"}  # the training thread waiting for it
+MODES = {"": {}, "async.": dict(async_generation=True),
+         "inflight.": dict(async_generation=True, in_flight_updates=True)}  # side name prefix: generation settings
+MODE_LABELS = {"": "", "async.": ", async generation", "inflight.": ", in-flight updates"}
+SIDES = {f"{mode}{name}": (filtering, mode) for mode in MODES for name, filtering in (("plain", False),
+                                                                                         ("filtered", True))}
+WAIT_PARTS = ("timing/generate", "timing/rollout_wait", "timing/group_wait")  # the training thread waiting for it
 
 
 def holds_target(completion_ids, **kwargs) -> list[float]:
@@ -59,7 +65,7 @@ def holds_target(completion_ids, **kwargs) -> list[float]:
 
 
 def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps: int, learning_rate: float,
-        asynchronous: bool = False) -> dict:
+        mode: str = "") -> dict:
     """One training run generating on the server at `url` (its trainer gives it the initial weights first: the
     server reports another run's); what the table reports for it."""
     from transformers import TrainerCallback
@@ -91,7 +97,7 @@ def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps:
         output_dir=str(out), per_device_train_batch_size=16, num_generations=4, max_completion_length=16,
         max_steps=max_steps, learning_rate=learning_rate, beta=0.0, temperature=1.0, logging_steps=1, seed=seed,
         report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, generation_url=url,
-        dynamic_sampling=filtering, async_generation=asynchronous)
+        dynamic_sampling=filtering, **MODES[mode])
     trainer = RemoteGRPOTrainer(model=str(model), reward_funcs=holds_target_recorded, args=args,
                                 train_dataset=arithmetic_prompts(64), callbacks=[StopAtThreshold()])
     trainer.train()
@@ -105,9 +111,9 @@ def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps:
         share, cost = statistics.fmean(1.0 - h["frac_reward_zero_std"] for h in steps), 1.0
     return {"steps": reached.get("step", max_steps), "reached": "step" in reached,
             "wall_s": reached.get("wall_s", wall_s),
-            "generation_s_per_step": statistics.fmean(h[GENERATION_PART[asynchronous]] for h in steps),
-            "requests_s_per_step": statistics.fmean(h["timing/generate"] + h.get("background/generate", 0.0)
-                                                    for h in steps),
+            "generation_s_per_step": statistics.fmean(sum(h.get(part, 0.0) for part in WAIT_PARTS) for h in steps),
+            "requests_s_per_step": None if "in_flight_updates" in MODES[mode] else statistics.fmean(
+                h.get("timing/generate", 0.0) + h.get("background/generate", 0.0) for h in steps),
             "rounds_per_step": statistics.fmean(h.get("dynamic_sampling/rounds", 1.0) for h in steps),
             "informative_share": share, "groups_generated_per_kept": cost}
 
@@ -127,16 +133,17 @@ def main() -> int:
         model = model_dir(Path(tmp), "tiny")
         with BuiltinServer(str(model), deterministic=True, extra_args=("--no-ref-slot",)) as server:
             for seed in seeds:
-                for side, (filtering, asynchronous) in SIDES.items():  # same seed, side by side
+                for side, (filtering, mode) in SIDES.items():  # same seed, side by side
                     results[side].append(run(model, server.url, Path(tmp) / f"{side}-{seed}", seed, filtering,
-                                             max_steps, options.learning_rate, asynchronous))
+                                             max_steps, options.learning_rate, mode))
     figures = dict(facts)
     for side, runs in results.items():
         for key in ("steps", "wall_s", "generation_s_per_step", "requests_s_per_step", "rounds_per_step",
                     "informative_share", "groups_generated_per_kept"):
-            figures[f"dynamic_sampling.{side}.{key}"] = statistics.median(r[key] for r in runs)
+            if runs[0][key] is not None:
+                figures[f"dynamic_sampling.{side}.{key}"] = statistics.median(r[key] for r in runs)
         figures[f"dynamic_sampling.{side}.reached"] = sum(r["reached"] for r in runs)
-    for mode in ("", "async."):
+    for mode in MODES:
         plain, filtered = (f"dynamic_sampling.{mode}{side}." for side in ("plain", "filtered"))
         figures[f"dynamic_sampling.{mode}steps_ratio"] = figures[plain + "steps"] / figures[filtered + "steps"]
         figures[f"dynamic_sampling.{mode}wall_ratio"] = figures[plain + "wall_s"] / figures[filtered + "wall_s"]
@@ -148,7 +155,8 @@ def main() -> int:
     print(f"seeds {list(seeds)}, medians; learning rate {options.learning_rate}; threshold: success rate >= "
           f"{THRESHOLD} over {WINDOW} steps, at most {max_steps} steps (runs that reached it: "
           + ", ".join(f"{side} {figures[f'dynamic_sampling.{side}.reached']}/{len(seeds)}" for side in SIDES) + ")")
-    rows = [(label, *(f"{figures[f'dynamic_sampling.{side}.{key}']:{fmt}}" for side in SIDES))
+    rows = [(label, *(f"{figures[f'dynamic_sampling.{side}.{key}']:{fmt}}" if f"dynamic_sampling.{side}.{key}" in figures
+                      else "-" for side in SIDES))
             for label, key, fmt in (("optimizer steps to the threshold", "steps", "g"),
                                     ("wall time to the threshold (s)", "wall_s", ".1f"),
                                     ("generation time per step (s): waited for it", "generation_s_per_step", ".3f"),
@@ -156,10 +164,10 @@ def main() -> int:
                                     ("generation rounds per step", "rounds_per_step", ".2f"),
                                     ("informative groups per trained batch", "informative_share", ".0%"),
                                     ("groups generated per group trained", "groups_generated_per_kept", ".2f"))]
-    print(markdown_table(("measurement", "plain GRPO", "dynamic sampling", "plain, async generation",
-                          "dynamic sampling, async generation"), rows))
+    print(markdown_table(("measurement", *(f"{'dynamic sampling' if filtering else 'plain GRPO'}{MODE_LABELS[mode]}"
+                                           for filtering, mode in SIDES.values())), rows))
     ratios = []
-    for mode, label in (("", ""), ("async.", ", async generation")):
+    for mode, label in MODE_LABELS.items():
         steps, generation, wall = (figures[f"dynamic_sampling.{mode}{key}"]
                                    for key in ("steps_ratio", "generation_ratio", "wall_ratio"))
         ratios += [(f"steps, plain / filtered{label}", f"{steps:.2f}", f">= {STEPS_TARGET}",

@@ -85,14 +85,16 @@ class DynamicSampling:
         local_groups = len(inputs) // size
         needed = local_groups * processes
         prompts = [row["prompt"] for row in inputs[::size]]
-        oversampled = self._take_ahead(prompts)
-        refills = self._refills(prompts + [row["prompt"] for row in (oversampled or [])[::size]])
-        if oversampled is None:
-            oversampled = self._refill(refills, self._oversampled_groups(local_groups))
-        if trainer.args.in_flight_updates:  # the batch's groups completed in flight: its oversampling now, after it
-            pool = self._sample(inputs) + (self._sample(oversampled) if oversampled else [])
-        else:  # one request for both (with async generation, sent when the batch was read ahead: `ahead`), the data
-            # loader's groups first in the pool as with two
+        if trainer.args.in_flight_updates:  # the batch's groups completed in flight: no oversampling, which would be a
+            # request of its own, as the extra rounds are; they are sized by what the batch holds
+            refills = self._refills(prompts)
+            pool = self._sample(inputs)
+        else:  # one request for the batch and its oversampling (with async generation, sent when the batch was read
+            # ahead: `ahead`), the data loader's groups first in the pool
+            oversampled = self._take_ahead(prompts)
+            refills = self._refills(prompts + [row["prompt"] for row in (oversampled or [])[::size]])
+            if oversampled is None:
+                oversampled = self._refill(refills, self._oversampled_groups(local_groups))
             sampled = self._sample(inputs + oversampled)
             chunk = len(sampled) // processes
             pool = [g for r in range(processes) for g in sampled[r * chunk:r * chunk + local_groups]] + [

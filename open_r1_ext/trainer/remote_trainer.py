@@ -261,8 +261,10 @@ class RemoteGRPOTrainer(GRPOTrainer):
         of `self.weight_sync` (it knows nothing of steps): the dump, the servers' reloads (or the broadcast they
         receive), the wait for the last seal."""
         asynchronous, in_flight = self.args.async_generation, self.args.in_flight_updates
-        absent = {"generate", "rollout_wait", "group_wait"} - {
-            "group_wait" if in_flight else "rollout_wait" if asynchronous else "generate"}
+        # (in flight, what is not a batch's group, dynamic sampling's extra rounds or the turns after a tool call, is
+        # generated on the training thread)
+        absent = {"generate", "rollout_wait", "group_wait"} - (
+            {"group_wait", "generate"} if in_flight else {"rollout_wait"} if asynchronous else {"generate"})
         if not remote_reference:
             absent |= {"reference_send", "reference_wait"}
         elif self.reference_prefetch is None or (asynchronous and not in_flight):

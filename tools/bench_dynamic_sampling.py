@@ -4,10 +4,11 @@ prints a markdown table.
 The task: the tiny model (random weights, a vocabulary of 300) on the arithmetic prompts, rewarded 1.0 for a
 completion (16 tokens at most) that holds the token `2` (id 20) at least once, else 0.0: a sparse reward that the
 random policy earns in ~5% of its completions (27 of 512 sampled at temperature 1), so ~80% of its groups of 4 are
-all-0 (no learning signal), and once it has learned the token most groups are all-1. Each run trains on one built-in server (deterministic sampling;
-each run's trainer loads its initial weights into it first), 16 completions (4 groups) per step, learning rate 0.02
-(`--learning-rate`), no reference (beta 0), with vs without dynamic sampling (its defaults), the same seeds for
-both, each with synchronous generation, `async_generation` and `in_flight_updates`; 3 seeds, medians.
+all-0 (no learning signal), and once it has learned the token most groups are all-1. Each run trains on one built-in
+server (deterministic sampling; each run's trainer loads its initial weights into it first), 16 completions (4
+groups) per step, learning rate 0.02 (`--learning-rate`), no reference (beta 0), with vs without dynamic sampling
+(its defaults; `--max-oversampling`), the same seeds for both, each with synchronous generation, `async_generation`
+and `in_flight_updates` (whose groups complete in an order that timing decides: its runs vary); 3 seeds, medians.
 
 Per run: the optimizer steps and the wall time until the policy's success rate (the mean reward of every completion
 generated for a step, filtered ones included, so both sides measure the same thing), averaged over the last 3 steps,
@@ -22,7 +23,7 @@ does not reach the threshold within `MAX_STEPS` counts as `MAX_STEPS` (said in t
 
 Targets (issue 35): >= 1.5x fewer optimizer steps to the threshold, at <= 1.3x the generation time per step.
 
-    python tools/bench_dynamic_sampling.py [--quick] [--json FILE] [--learning-rate LR]
+    python tools/bench_dynamic_sampling.py [--quick] [--json FILE] [--learning-rate LR] [--max-oversampling X]
 
 `--quick` (under a minute on 2 CPU cores) runs one seed for 2 steps per side: it checks the harness only. `--json
 FILE` writes every figure under a stable key, e.g. `dynamic_sampling.steps_ratio`,
@@ -49,6 +50,7 @@ THRESHOLD = 0.8  # the policy's success rate (3-step mean) that ends a run
 WINDOW = 3
 MAX_STEPS = 40
 LEARNING_RATE = 0.02
+MAX_OVERSAMPLING = 2.0  # dynamic_sampling_max_oversampling's default
 SEEDS = (0, 1, 2)
 STEPS_TARGET, GENERATION_TARGET = 1.5, 1.3
 MODES = {"": {}, "async.": dict(async_generation=True),
@@ -65,7 +67,7 @@ def holds_target(completion_ids, **kwargs) -> list[float]:
 
 
 def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps: int, learning_rate: float,
-        mode: str = "") -> dict:
+        mode: str = "", max_oversampling: float = MAX_OVERSAMPLING) -> dict:
     """One training run generating on the server at `url` (its trainer gives it the initial weights first: the
     server reports another run's); what the table reports for it."""
     from transformers import TrainerCallback
@@ -97,7 +99,7 @@ def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps:
         output_dir=str(out), per_device_train_batch_size=16, num_generations=4, max_completion_length=16,
         max_steps=max_steps, learning_rate=learning_rate, beta=0.0, temperature=1.0, logging_steps=1, seed=seed,
         report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, generation_url=url,
-        dynamic_sampling=filtering, **MODES[mode])
+        dynamic_sampling=filtering, dynamic_sampling_max_oversampling=max_oversampling, **MODES[mode])
     trainer = RemoteGRPOTrainer(model=str(model), reward_funcs=holds_target_recorded, args=args,
                                 train_dataset=arithmetic_prompts(64), callbacks=[StopAtThreshold()])
     trainer.train()
@@ -123,6 +125,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one seed, 2 steps per side: checks the harness only")
     parser.add_argument("--json", type=Path, help="write every figure to this file")
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="of both sides' runs")
+    parser.add_argument("--max-oversampling", type=float, default=MAX_OVERSAMPLING,
+                        help="dynamic_sampling_max_oversampling of the filtered runs")
     options = parser.parse_args()
     seeds, max_steps = (SEEDS[:1], 2) if options.quick else (SEEDS, MAX_STEPS)
     facts = machine_facts(options.quick)
@@ -135,7 +139,7 @@ def main() -> int:
             for seed in seeds:
                 for side, (filtering, mode) in SIDES.items():  # same seed, side by side
                     results[side].append(run(model, server.url, Path(tmp) / f"{side}-{seed}", seed, filtering,
-                                             max_steps, options.learning_rate, mode))
+                                             max_steps, options.learning_rate, mode, options.max_oversampling))
     figures = dict(facts)
     for side, runs in results.items():
         for key in ("steps", "wall_s", "generation_s_per_step", "requests_s_per_step", "rounds_per_step",
@@ -150,13 +154,15 @@ def main() -> int:
         figures[f"dynamic_sampling.{mode}generation_ratio"] = (figures[filtered + "generation_s_per_step"]
                                                                / figures[plain + "generation_s_per_step"])
     figures.update({"dynamic_sampling.seeds": len(seeds), "dynamic_sampling.max_steps": max_steps,
-                    "dynamic_sampling.threshold": THRESHOLD, "dynamic_sampling.learning_rate": options.learning_rate})
+                    "dynamic_sampling.threshold": THRESHOLD, "dynamic_sampling.learning_rate": options.learning_rate,
+                    "dynamic_sampling.max_oversampling": options.max_oversampling})
     print(header(facts))
-    print(f"seeds {list(seeds)}, medians; learning rate {options.learning_rate}; threshold: success rate >= "
+    print(f"seeds {list(seeds)}, medians; learning rate {options.learning_rate}; dynamic_sampling_max_oversampling "
+          f"{options.max_oversampling}; threshold: success rate >= "
           f"{THRESHOLD} over {WINDOW} steps, at most {max_steps} steps (runs that reached it: "
           + ", ".join(f"{side} {figures[f'dynamic_sampling.{side}.reached']}/{len(seeds)}" for side in SIDES) + ")")
-    rows = [(label, *(f"{figures[f'dynamic_sampling.{side}.{key}']:{fmt}}" if f"dynamic_sampling.{side}.{key}" in figures
-                      else "-" for side in SIDES))
+    rows = [(label, *(f"{figures[name]:{fmt}}" if (name := f"dynamic_sampling.{side}.{key}") in figures else "-"
+                      for side in SIDES))
             for label, key, fmt in (("optimizer steps to the threshold", "steps", "g"),
                                     ("wall time to the threshold (s)", "wall_s", ".1f"),
                                     ("generation time per step (s): waited for it", "generation_s_per_step", ".3f"),

@@ -209,9 +209,10 @@ class RemoteGRPOConfig(GRPOConfig):
             by (`seed`, step, process), each once in a step before any twice and the batch's own prompts last (with
             `async_generation`, the oversampled prompts sent with a batch read ahead: by that batch's prompts): a
             resumed run draws the same ones, and they do not advance the epoch; a filtered prompt counts as seen in
-            its epoch. The reference log-probs (and TRL's own log-probs) are computed for the trained groups only. The decision is taken on every process's groups together, so each
-            process trains a full batch of the same size. Needs each process's generation batch to hold whole
-            groups, a map-style training set, and neither `tools` nor an `environment_factory`.
+            its epoch. The reference log-probs (and TRL's own log-probs) are computed for the trained groups only.
+            The decision is taken on every process's groups together, so each process trains a full batch of the
+            same size. Needs each process's generation batch to hold whole groups, a map-style training set, and
+            neither `tools` nor an `environment_factory`.
         dynamic_sampling_reward (`str` or `None`, *optional*, defaults to `None`):
             The reward function (by name, as in `rewards/<name>/mean`) whose spread decides; `None`: the weighted sum
             of the rewards, which TRL normalizes into advantages.
@@ -224,9 +225,10 @@ class RemoteGRPOConfig(GRPOConfig):
         dynamic_sampling_max_oversampling (`float`, *optional*, defaults to `2.0`):
             When the last generation batch's groups were partly filtered, the next one asks for more prompts at once
             (1 / the informative share last time, at most this multiple of the batch's prompts), so that a step
-            rarely needs a second round; 1.0 turns oversampling off. An extra round asks for the groups still
-            missing over the informative share this batch's rounds have found so far, at most this multiple of the
-            batch's prompts too. Informative groups beyond the batch are dropped.
+            rarely needs a second round (not with `in_flight_updates`, where the batch's groups complete in flight
+            and oversampling them would be a request of its own); 1.0 turns oversampling off. An extra round asks for
+            the groups still missing over the informative share this batch's rounds have found so far, at most this
+            multiple of the batch's prompts too. Informative groups beyond the batch are dropped.
     """
 
     ref_model_url: Optional[Union[str, list[str]]] = field(

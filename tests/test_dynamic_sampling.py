@@ -176,9 +176,15 @@ def test_overlapped_generation_and_reused_batches_train_informative_groups(tiny_
     assert_informative_full_batches(trainer, batches=batches)
     assert trainer.scored == [ROWS] * batches
     assert_rounds_sized_by_share(trainer, needed=2, most=4)
-    if mode.get("in_flight_updates"):  # the extra rounds are generated on the training thread, and timed as such
+    if mode.get("in_flight_updates"):  # the extra rounds took refills generated in flight: none on this thread
         steps = [h for h in trainer.state.log_history if "step_wall_time" in h]
-        assert [h["timing/generate"] > 0 for h in steps] == [h["dynamic_sampling/rounds"] > 1 for h in steps], steps
+        assert [h["timing/generate"] for h in steps] == [0.0, 0.0] and any(h["dynamic_sampling/rounds"] > 1
+                                                                           for h in steps), steps
+        refills = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()
+                   if '"refill"' in line]
+        assert len(refills) == sum(logged(trainer, "dynamic_sampling/groups_generated")) - 2 * batches
+        taken = [tuple(e["group"]) for e in refills]  # in the order they completed
+        assert len(set(taken)) == len(taken) and all(batch == -1 for batch, _ in taken), taken  # each its own seeds
 
 
 def test_async_generation_sends_a_batch_read_ahead_with_its_oversampling(tiny_model, server, tmp_path):

@@ -14,6 +14,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -73,6 +74,7 @@ class DynamicSampling:
         self._sampled: Optional[tuple[list, tuple]] = None  # the kept batch, for TRL's `_generate`
         self._rewards: Optional[torch.Tensor] = None  # its rewards, for TRL's `_calculate_rewards`
         self._ahead: deque[tuple[str, list[dict]]] = deque()  # (a batch read ahead, its oversampled rows): `ahead`
+        self._in_flight_refills: Optional[Iterator[dict]] = None  # with `in_flight_updates`: `_draw_in_flight`
         self._warned = False
 
     # ------------------------------------------------------------------ the batch
@@ -85,10 +87,11 @@ class DynamicSampling:
         local_groups = len(inputs) // size
         needed = local_groups * processes
         prompts = [row["prompt"] for row in inputs[::size]]
-        if trainer.args.in_flight_updates:  # the batch's groups completed in flight: no oversampling, which would be a
-            # request of its own, as the extra rounds are; they are sized by what the batch holds
-            refills = self._refills(prompts)
+        in_flight = trainer.remote_generation if trainer.args.in_flight_updates else None
+        if in_flight is not None:  # the batch's groups completed in flight, and so did the refills an extra round
+            # takes (`keep_refills` below)
             pool = self._sample(inputs)
+            next_round = partial(in_flight.refill_batch, draw=self._draw_in_flight)
         else:  # one request for the batch and its oversampling (with async generation, sent when the batch was read
             # ahead: `ahead`), the data loader's groups first in the pool
             oversampled = self._take_ahead(prompts)
@@ -99,17 +102,19 @@ class DynamicSampling:
             chunk = len(sampled) // processes
             pool = [g for r in range(processes) for g in sampled[r * chunk:r * chunk + local_groups]] + [
                 g for r in range(processes) for g in sampled[r * chunk + local_groups:(r + 1) * chunk]]
+            next_round = partial(self._refill, refills)
         rounds = 0
         while (found := sum(g.informative for g in pool)) < needed and rounds < self.max_rounds:
             rounds += 1
-            pool += self._sample(self._refill(refills, self._round_groups(needed - found, found / len(pool),
-                                                                          local_groups)))
+            pool += self._sample(next_round(self._round_groups(needed - found, found / len(pool), local_groups)))
         informative = [g for g in pool if g.informative]
         kept = informative[:needed]
         chosen = kept + [g for g in pool if not g.informative][:needed - len(kept)]
         if len(kept) < needed:
             self._warn_short(len(kept), needed, rounds)
         self.informative_share = len(informative) / len(pool)
+        if in_flight is not None:  # the refills the next batch's extra rounds are likely to take, generated meanwhile
+            in_flight.keep_refills(self._oversampled_groups(local_groups), self._draw_in_flight)
         metrics = trainer._metrics["train"]
         for name, value in (("groups_generated", len(pool)), ("groups_kept", len(kept)),
                             ("groups_filtered", len(pool) - len(informative)), ("rounds", 1 + rounds),
@@ -249,6 +254,13 @@ class DynamicSampling:
                 else:
                     yield row
             yield from later
+
+    def _draw_in_flight(self, groups: int) -> list[dict]:
+        """With `in_flight_updates`: the rows of the next `groups` refills, drawn before the batch they refill is known
+        (each prompt once before any twice over the run, seeded by (`seed`, process); they may repeat a batch's)."""
+        if self._in_flight_refills is None:
+            self._in_flight_refills = self._refills([], salt="in-flight")
+        return self._refill(self._in_flight_refills, groups)
 
     def _refill(self, refills: Iterator[dict], groups: int) -> list[dict]:
         """The next `groups` prompts of `refills`, each `num_generations` times (TRL's layout)."""

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import random
 import re
 import sys
@@ -43,7 +44,8 @@ def server_client(args: RemoteGRPOConfig, url: Union[str, list[str], None], dire
     `server_wait_timeout`; `route` appended to each address read from the directory)."""
     settings = dict(api_key=args.server_api_key, request_timeout=args.request_timeout,
                     max_batch_tokens=args.max_batch_tokens, admin_api_key=args.server_admin_api_key,
-                    max_concurrency=max(8, prompts_in_flight(args) if role == "generation" else 0))
+                    max_concurrency=max(8, prompts_in_flight(args) + refills_in_flight(args) if role == "generation"
+                                        else 0))
     urls = [url] if isinstance(url, str) else list(url or ())
     if directory is None and len(urls) == 1:
         return SGLangClient(urls[0], max_retries=args.max_retries, **settings)
@@ -59,6 +61,15 @@ def prompts_in_flight(args: RemoteGRPOConfig) -> int:
         return 0
     groups = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
     return args.max_prompts_in_flight or max(2, args.max_weight_staleness) * groups
+
+
+def refills_in_flight(args: RemoteGRPOConfig) -> int:
+    """With `in_flight_updates` and `dynamic_sampling`, the most refill groups a process has in flight beside the
+    data's: an extra round's most, `dynamic_sampling_max_oversampling` times its generation batch's groups; else 0."""
+    if not (args.in_flight_updates and args.dynamic_sampling):
+        return 0
+    groups = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
+    return math.ceil(args.dynamic_sampling_max_oversampling * groups)
 
 
 def remote_generation(trainer, weight_sync: WeightSync, in_flight_kind: Optional[type] = None) -> Optional["RemoteGeneration"]:

@@ -8,7 +8,8 @@ on with them. With dumps the main process's update thread pauses, reloads and co
 the broadcast is sent at the sync, the servers paused around it. A group's staleness counts from its oldest token; a
 group too stale for the step that would take it, or with tokens from an update that stopped half-way (`<N>-partial`),
 is dropped and its prompt sent again. The groups read but not trained at a checkpoint are saved with it (`save_state`)
-and drawn again on resume (`resume_from`).
+and drawn again on resume (`resume_from`). With `dynamic_sampling`, refill groups (prompts it draws, not the data's)
+are kept in flight beside them for its extra rounds (`keep_refills`, `refill_batch`).
 
 With adapter-only LoRA sync a request samples with the adapter it named (`lora_path`) to its end: SGLang resolves the
 name to an adapter once, when it receives the request, and a retracted request keeps it. So a sync loads the new
@@ -40,7 +41,7 @@ from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ABORT_RETRIES, AbortedRequestError, ServerError
 from open_r1_ext.trainer.generation import (AsyncRemoteGeneration, RemoteGeneration, prompts_in_flight, prompts_key,
-                                            sampling_seeds, version_number)
+                                            refills_in_flight, sampling_seeds, version_number)
 from open_r1_ext.trainer.weight_sync import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
         args = trainer.args
         self.groups_per_batch = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
         self.bound = prompts_in_flight(args)
+        self.senders = self.bound + refills_in_flight(args)
         self.period = args.steps_per_generation * args.num_iterations
         self._senders: Optional[ThreadPoolExecutor] = None
         self._batches: Optional[InFlightBatches] = None
@@ -102,6 +104,9 @@ class InFlightGeneration(AsyncRemoteGeneration):
         self._resume_state: Optional[dict] = None
         self._starting = False
         self._dropped: list[dict] = []  # the rollouts.jsonl entries of the groups dropped since the last batch
+        self._refills_done: queue.Queue[Group] = queue.Queue()  # dynamic sampling's refill groups, complete
+        self._refills_out = 0  # refill groups sent and not taken
+        self._refills_sent = 0
         self.closing = False
 
     # ------------------------------------------------------------------ the training loop's side
@@ -132,12 +137,60 @@ class InFlightGeneration(AsyncRemoteGeneration):
             groups = batches.take(step)
         if groups is None:
             return None
-        completions = [c for g in groups for c in g.completions]
-        prompt_ids = [g.prompt_ids for g in groups for _ in range(len(g.completions))]
-        self._formed = (prompts_key(prompt_ids), completions)
+        prompt_ids, completions = self._form(groups)
         self._log_groups(groups, step)
         self.trainer.prefetch_reference(prompt_ids, [c.token_ids for c in completions])
         return [row for g in groups for row in g.rows]
+
+    def _form(self, groups: list[Group]) -> tuple[list, list[Completion]]:
+        """Leave the completions of `groups` for `generate`; their prompts' ids and completions, TRL's layout."""
+        completions = [c for g in groups for c in g.completions]
+        prompt_ids = [g.prompt_ids for g in groups for _ in range(len(g.completions))]
+        self._formed = (prompts_key(prompt_ids), completions)
+        return prompt_ids, completions
+
+    # ------------------------------------------------------------------ dynamic sampling's refills
+    def keep_refills(self, count: int, draw: Callable[[int], list]) -> None:
+        """Dynamic sampling: keep `count` refill groups sent or complete beside the data's, their rows (TRL's layout)
+        drawn by `draw(groups)`, so that an extra round finds them generated (`refill_batch`)."""
+        if count <= self._refills_out:
+            return
+        for group in self.split_groups(draw(count - self._refills_out), int(self.trainer.state.epoch or 0), -1):
+            group.index, self._refills_sent = self._refills_sent, self._refills_sent + 1  # its seeds' own salt
+            self._refills_out += 1
+            self.send(group, self._refills_done)
+
+    def refill_batch(self, count: int, draw: Callable[[int], list]) -> list:
+        """Training thread, an extra round of dynamic sampling: the rows of `count` complete refill groups fresh
+        enough for this step (more drawn and sent first if fewer are out; a stale one sent again), waited for as
+        `timing/group_wait`; their completions wait in `_formed` for `generate`. Each is logged in `rollouts.jsonl`
+        with `"refill": true` (its `group` is `[-1, n]`: the n-th refill this run sent)."""
+        step = self.trainer.state.global_step
+        self.keep_refills(count, draw)
+        chosen: list[Group] = []
+        with self.trainer.step_timer.part("group_wait"):
+            while len(chosen) < count:
+                group = self._refills_done.get()
+                if not self.trainable(group, step):
+                    self.send(group, self._refills_done)
+                    continue
+                self._refills_out -= 1
+                chosen.append(group)
+        self._form(chosen)
+        self._append_rollouts([{**self._entry(g, step, step - g.versions()[0]), "refill": True} for g in chosen])
+        return [row for g in chosen for row in g.rows]
+
+    def trainable(self, group: Group, step: int) -> bool:
+        """Whether a complete group can be trained at `step`: its error is raised; one that must be dropped (`stale`)
+        is logged so and counted as sent once more, for its caller to send again."""
+        if group.error is not None:
+            raise group.error
+        staleness = self.stale(group, step)
+        if staleness is None:
+            return True
+        self.log_drop(group, step, staleness)
+        group.attempt += 1
+        return False
 
     def stale(self, group: Group, step: int) -> Optional[int]:
         """The group's staleness at `step` (the step its training would start from) if it must be dropped: it exceeds
@@ -176,7 +229,7 @@ class InFlightGeneration(AsyncRemoteGeneration):
         """Sample `group` on a sender thread; it is put in `done` when it has its completions (or an error)."""
         if self._senders is None:
             self.rollouts  # noqa: B018 - its queue, made now, keeps the GIL switch interval short for the senders too
-            self._senders = ThreadPoolExecutor(max_workers=self.bound, thread_name_prefix="open_r1_ext-inflight")
+            self._senders = ThreadPoolExecutor(max_workers=self.senders, thread_name_prefix="open_r1_ext-inflight")
         group.completions, group.replica, group.error = None, None, None
         group.sent_at = version_number(self.target.version)
         self._senders.submit(self._sample, group, done)
@@ -508,11 +561,13 @@ class InFlightGeneration(AsyncRemoteGeneration):
     def close(self) -> None:
         """End of `train()`: the requests still in flight are aborted (main process) and the threads stopped."""
         self.closing = True
-        if self._batches is not None and self._batches.running and self.trainer.accelerator.is_main_process:
+        running = self._refills_out or (self._batches is not None and self._batches.running)
+        if running and self.trainer.accelerator.is_main_process:
             self._abort_in_flight("at the end of training")
         if self._senders is not None:
             self._senders.shutdown(wait=True, cancel_futures=True)
         self._senders, self._batches, self._formed = None, None, None
+        self._refills_done, self._refills_out = queue.Queue(), 0
         super().close()
         self.closing = False
 
@@ -564,12 +619,7 @@ class InFlightBatches:
                 return None
             group = self.done.get()
             self.running -= 1
-            if group.error is not None:
-                raise group.error
-            staleness = owner.stale(group, step)
-            if staleness is not None:
-                owner.log_drop(group, step, staleness)
-                group.attempt += 1
+            if not owner.trainable(group, step):
                 self.waiting.appendleft(group)
                 continue
             chosen.append(group)

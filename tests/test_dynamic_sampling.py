@@ -204,14 +204,17 @@ def test_in_flight_on_real_sglang_trains_informative_groups(tiny_model, server, 
     assert trainer.scored == [ROWS] * 2
 
 
-def test_two_trainer_processes_share_out_the_kept_groups(tiny_model, server, tmp_path):
-    """Each of two processes trains one group per step (accelerate launch, CPU, gloo: this module run as a script)."""
+@pytest.mark.parametrize("in_flight", [False, True], ids=["sync", "in-flight"])
+def test_two_trainer_processes_share_out_the_kept_groups(tiny_model, server, tmp_path, in_flight):
+    """Each of two processes trains one group per step (accelerate launch, CPU, gloo: this module run as a script);
+    in flight, each keeps its own refills in flight, and every process's refills taken are logged."""
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     try:
         result = subprocess.run([*launcher, "-m", "tests.test_dynamic_sampling", str(tiny_model), server.url,
-                                 str(tmp_path)], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+                                 str(tmp_path), str(in_flight)], capture_output=True, text=True, timeout=600, env=env,
+                                cwd=REPO)
     finally:
         restore_default_weights(server.url, tiny_model)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -226,6 +229,12 @@ def test_two_trainer_processes_share_out_the_kept_groups(tiny_model, server, tmp
         assert all(len(a) == GROUP and any(abs(x) > 1e-3 for x in a) for a in advantages)
         assert advantages[0] != advantages[1]
     assert [rank["scored"] for rank in ranks] == [[GROUP] * 2] * 2  # each process's reference: its kept group
+    if in_flight:
+        refills = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()
+                   if '"refill"' in line]
+        generated = ranks[0]["groups_generated"]  # every process's groups of each step (2 a step from the data)
+        assert len(refills) == sum(generated) - 2 * 2 > 0, (refills, generated)
+        assert {e["process"] for e in refills} == {0, 1}
 
 
 def test_resumed_run_trains_the_batch_the_uninterrupted_one_did(tiny_model, server, tmp_path):
@@ -286,11 +295,13 @@ def test_recipe_names_a_reward_that_is_not_there():
 
 
 if __name__ == "__main__":  # a trainer process of test_two_trainer_processes_share_out_the_kept_groups
-    model, url, output_dir = sys.argv[1:4]
+    model, url, output_dir, in_flight = sys.argv[1:5]
     args = tiny_config(output_dir, per_device_train_batch_size=GROUP, num_generations=GROUP, generation_url=url,
-                       ref_model_url=f"{url}/ref", max_steps=2, dynamic_sampling=True)
+                       ref_model_url=f"{url}/ref", max_steps=2, dynamic_sampling=True,
+                       **(dict(async_generation=True, in_flight_updates=True) if in_flight == "True" else {}))
     ranked = RecordingTrainer(model=model, reward_funcs=spread_unless_uniform, args=args,
                               train_dataset=prompts(uniform_every=2))
     ranked.train()
     with open(os.path.join(output_dir, f"rank-{ranked.accelerator.process_index}.json"), "w") as f:
-        json.dump({"trained": ranked.trained, "scored": ranked.scored}, f)
+        json.dump({"trained": ranked.trained, "scored": ranked.scored,
+                   "groups_generated": logged(ranked, "dynamic_sampling/groups_generated")}, f)

@@ -208,12 +208,12 @@ class RemoteGRPOConfig(GRPOConfig):
             filtering (DAPO's dynamic sampling). The prompts added are drawn at random from the training set, seeded
             by (`seed`, step, process), each once in a step before any twice and the batch's own prompts last (with
             `async_generation`, the oversampled prompts sent with a batch read ahead: by that batch's prompts; with
-            `in_flight_updates`, the refills kept in flight for the extra rounds: by (`seed`, process) alone, drawn
-            anew after a resume): a resumed run draws the same ones, and they do not advance the epoch; a filtered
-            prompt counts as seen in its epoch. The reference log-probs (and TRL's own log-probs) are computed for the trained groups only.
-            The decision is taken on every process's groups together, so each process trains a full batch of the
-            same size. Needs each process's generation batch to hold whole groups, a map-style training set, and
-            neither `tools` nor an `environment_factory`.
+            `in_flight_updates`, the refills kept in flight for the extra rounds: by (`seed`, process) alone): a
+            resumed run draws the same ones (in flight: that order from its start again), and they do not advance
+            the epoch; a filtered prompt counts as seen in its epoch. The reference log-probs (and TRL's own
+            log-probs) are computed for the trained groups only. The decision is taken on every process's groups
+            together, so each process trains a full batch of the same size. Needs each process's generation batch
+            to hold whole groups, a map-style training set, and neither `tools` nor an `environment_factory`.
         dynamic_sampling_reward (`str` or `None`, *optional*, defaults to `None`):
             The reward function (by name, as in `rewards/<name>/mean`) whose spread decides; `None`: the weighted sum
             of the rewards, which TRL normalizes into advantages.

@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (arithmetic_prompts, header, machine_facts, markdown_table, model_dir,  # noqa: E402
@@ -50,7 +51,6 @@ THRESHOLD = 0.8  # the policy's success rate (3-step mean) that ends a run
 WINDOW = 3
 MAX_STEPS = 40
 LEARNING_RATE = 0.02
-MAX_OVERSAMPLING = 2.0  # dynamic_sampling_max_oversampling's default
 SEEDS = (0, 1, 2)
 STEPS_TARGET, GENERATION_TARGET = 1.5, 1.3
 MODES = {"": {}, "async.": dict(async_generation=True),
@@ -67,7 +67,7 @@ def holds_target(completion_ids, **kwargs) -> list[float]:
 
 
 def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps: int, learning_rate: float,
-        mode: str = "", max_oversampling: float = MAX_OVERSAMPLING) -> dict:
+        mode: str = "", max_oversampling: Optional[float] = None) -> dict:
     """One training run generating on the server at `url` (its trainer gives it the initial weights first: the
     server reports another run's); what the table reports for it."""
     from transformers import TrainerCallback
@@ -99,7 +99,8 @@ def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps:
         output_dir=str(out), per_device_train_batch_size=16, num_generations=4, max_completion_length=16,
         max_steps=max_steps, learning_rate=learning_rate, beta=0.0, temperature=1.0, logging_steps=1, seed=seed,
         report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, generation_url=url,
-        dynamic_sampling=filtering, dynamic_sampling_max_oversampling=max_oversampling, **MODES[mode])
+        dynamic_sampling=filtering, **MODES[mode],
+        **({} if max_oversampling is None else {"dynamic_sampling_max_oversampling": max_oversampling}))
     trainer = RemoteGRPOTrainer(model=str(model), reward_funcs=holds_target_recorded, args=args,
                                 train_dataset=arithmetic_prompts(64), callbacks=[StopAtThreshold()])
     trainer.train()
@@ -125,8 +126,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one seed, 2 steps per side: checks the harness only")
     parser.add_argument("--json", type=Path, help="write every figure to this file")
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="of both sides' runs")
-    parser.add_argument("--max-oversampling", type=float, default=MAX_OVERSAMPLING,
-                        help="dynamic_sampling_max_oversampling of the filtered runs")
+    parser.add_argument("--max-oversampling", type=float,
+                        help="dynamic_sampling_max_oversampling of the filtered runs (default: the field's)")
     options = parser.parse_args()
     seeds, max_steps = (SEEDS[:1], 2) if options.quick else (SEEDS, MAX_STEPS)
     facts = machine_facts(options.quick)
@@ -155,10 +156,10 @@ def main() -> int:
                                                                / figures[plain + "generation_s_per_step"])
     figures.update({"dynamic_sampling.seeds": len(seeds), "dynamic_sampling.max_steps": max_steps,
                     "dynamic_sampling.threshold": THRESHOLD, "dynamic_sampling.learning_rate": options.learning_rate,
-                    "dynamic_sampling.max_oversampling": options.max_oversampling})
+                    "dynamic_sampling.max_oversampling": options.max_oversampling or "default"})
     print(header(facts))
     print(f"seeds {list(seeds)}, medians; learning rate {options.learning_rate}; dynamic_sampling_max_oversampling "
-          f"{options.max_oversampling}; threshold: success rate >= "
+          f"{options.max_oversampling or 'default'}; threshold: success rate >= "
           f"{THRESHOLD} over {WINDOW} steps, at most {max_steps} steps (runs that reached it: "
           + ", ".join(f"{side} {figures[f'dynamic_sampling.{side}.reached']}/{len(seeds)}" for side in SIDES) + ")")
     rows = [(label, *(f"{figures[name]:{fmt}}" if (name := f"dynamic_sampling.{side}.{key}") in figures else "-"

@@ -59,8 +59,7 @@ def prompts_in_flight(args: RemoteGRPOConfig) -> int:
     later, its staleness about one less, which leaves its completions a step to be long in); else 0."""
     if not args.in_flight_updates:
         return 0
-    groups = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
-    return args.max_prompts_in_flight or max(2, args.max_weight_staleness) * groups
+    return args.max_prompts_in_flight or max(2, args.max_weight_staleness) * batch_groups(args)
 
 
 def refills_in_flight(args: RemoteGRPOConfig) -> int:
@@ -68,8 +67,12 @@ def refills_in_flight(args: RemoteGRPOConfig) -> int:
     data's: an extra round's most, `dynamic_sampling_max_oversampling` times its generation batch's groups; else 0."""
     if not (args.in_flight_updates and args.dynamic_sampling):
         return 0
-    groups = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
-    return math.ceil(args.dynamic_sampling_max_oversampling * groups)
+    return math.ceil(args.dynamic_sampling_max_oversampling * batch_groups(args))
+
+
+def batch_groups(args: RemoteGRPOConfig) -> int:
+    """The groups of `num_generations` completions in a process's generation batch."""
+    return args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
 
 
 def remote_generation(trainer, weight_sync: WeightSync, in_flight_kind: Optional[type] = None) -> Optional["RemoteGeneration"]:

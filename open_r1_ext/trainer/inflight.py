@@ -40,8 +40,8 @@ from accelerate.utils import gather_object
 from open_r1_ext.protocol import Completion, is_partial
 from open_r1_ext.server_pool import ServerPool
 from open_r1_ext.sglang_client import ABORT_RETRIES, AbortedRequestError, ServerError
-from open_r1_ext.trainer.generation import (AsyncRemoteGeneration, RemoteGeneration, prompts_in_flight, prompts_key,
-                                            refills_in_flight, sampling_seeds, version_number)
+from open_r1_ext.trainer.generation import (AsyncRemoteGeneration, RemoteGeneration, batch_groups, prompts_in_flight,
+                                            prompts_key, refills_in_flight, sampling_seeds, version_number)
 from open_r1_ext.trainer.weight_sync import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -90,9 +90,8 @@ class InFlightGeneration(AsyncRemoteGeneration):
     def __init__(self, trainer, client, weight_sync):
         super().__init__(trainer, client, weight_sync)
         args = trainer.args
-        self.groups_per_batch = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
+        self.groups_per_batch = batch_groups(args)
         self.bound = prompts_in_flight(args)
-        self.senders = self.bound + refills_in_flight(args)
         self.period = args.steps_per_generation * args.num_iterations
         self._senders: Optional[ThreadPoolExecutor] = None
         self._batches: Optional[InFlightBatches] = None
@@ -229,7 +228,8 @@ class InFlightGeneration(AsyncRemoteGeneration):
         """Sample `group` on a sender thread; it is put in `done` when it has its completions (or an error)."""
         if self._senders is None:
             self.rollouts  # noqa: B018 - its queue, made now, keeps the GIL switch interval short for the senders too
-            self._senders = ThreadPoolExecutor(max_workers=self.senders, thread_name_prefix="open_r1_ext-inflight")
+            self._senders = ThreadPoolExecutor(max_workers=self.bound + refills_in_flight(self.trainer.args),
+                                               thread_name_prefix="open_r1_ext-inflight")
         group.completions, group.replica, group.error = None, None, None
         group.sent_at = version_number(self.target.version)
         self._senders.submit(self._sample, group, done)

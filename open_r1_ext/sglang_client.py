@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
@@ -222,6 +223,7 @@ class SGLangClient:
         self.admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
         self.paused = False  # this client paused the server's generation (`pause_generation`) and has not continued it
         self._vocabulary: Optional[tuple[Optional[int], str]] = None  # (size, model), asked at the first request
+        self._vocabulary_asked = threading.Lock()  # by one of the threads sending first requests at once
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, route: str, json: Any = None, timeout: Optional[float] = None,
@@ -355,8 +357,9 @@ class SGLangClient:
     def check_token_ids(self, sequences: Sequence[Sequence[int]], what: str = "sequence") -> None:
         """`OutOfVocabularyError` naming the first id of `sequences` outside the served model's vocabulary
         (`served_vocabulary`, asked once, at the first request); nothing when the vocabulary cannot be known here."""
-        if self._vocabulary is None:
-            self._vocabulary = served_vocabulary(self.model_info())
+        with self._vocabulary_asked:
+            if self._vocabulary is None:
+                self._vocabulary = served_vocabulary(self.model_info())
         size, model = self._vocabulary
         if size is None:
             return

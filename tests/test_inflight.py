@@ -51,12 +51,18 @@ def in_flight_config(output_dir, url, **overrides):
 
 
 def shape_groups(trainer: RemoteGRPOTrainer, short: int = 4, held: Optional[threading.Event] = None,
-                 held_batches: int = 0) -> None:
+                 held_batches: int = 0, shorts_first: int = 0) -> None:
     """Shape the workload so that groups complete out of order: the first prompt of every generation batch samples
     `max_completion_length` tokens (`ignore_eos`), the others `short`; with `held`, the first prompts of the first
-    `held_batches` batches are sent only once `held` is set."""
+    `held_batches` batches are sent only once `held` is set; with `shorts_first`, the first prompts of the first
+    `shorts_first` batches only once the other groups of those batches are complete (which request a busy server
+    takes first is then the test's, not the sender threads' race)."""
     generation = trainer.remote_generation
     split, sample = generation.split_groups, generation._sample
+    shorts_left = [shorts_first * (generation.groups_per_batch - 1)]
+    shorts_done, counted = threading.Event(), threading.Lock()
+    if not shorts_left[0]:
+        shorts_done.set()
 
     def shaped(rows, epoch, batch):
         groups = split(rows, epoch, batch)
@@ -65,9 +71,17 @@ def shape_groups(trainer: RemoteGRPOTrainer, short: int = 4, held: Optional[thre
         return groups
 
     def late(group, done):
-        if held is not None and group.index == 0 and group.batch < held_batches:
+        first = group.index == 0
+        if first and held is not None and group.batch < held_batches:
             held.wait(timeout=120)
+        if first and group.batch < shorts_first:
+            shorts_done.wait(timeout=120)
         sample(group, done)
+        if not first and 0 <= group.batch < shorts_first:
+            with counted:
+                shorts_left[0] -= 1
+                if shorts_left[0] == 0:
+                    shorts_done.set()
 
     generation.split_groups, generation._sample = shaped, late
 
@@ -226,13 +240,14 @@ def test_a_tiny_run_with_in_flight_updates_learns_on_real_sglang(shared_sglang, 
 def test_in_flight_updates_over_the_network_pause_broadcast_and_continue(any_server, tiny_model, tmp_path):
     """`transport: distributed`: each sync stages the policy in memory, and the update thread pauses the server
     (retract), broadcasts the weights and continues it, so the long groups under way go on with the new weights
-    (unpaused, SGLang and the built-in server would let them end before the update: no group would span versions). 4 prompts in flight, 2 a step: steps 2 and 3 take long groups
-    (256 tokens, ~2 s; a step ~0.5 s) sent before the first sync. Nothing is dumped; the server ends on the last
+    (unpaused, SGLang and the built-in server would let them end before the update: no group would span versions).
+    4 prompts in flight, 2 a step: step 1 takes the short groups, steps 2 and 3 long groups (256 tokens, ~2 s; a step
+    ~0.5 s) sent once those were complete, before the first sync. Nothing is dumped; the server ends on the last
     step's weights."""
     args = in_flight_config(tmp_path, any_server.url, max_steps=3, max_weight_staleness=2, max_completion_length=256,
                             max_prompts_in_flight=4, transport="distributed", bucket_mb=0.05)
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
-    shape_groups(trainer)
+    shape_groups(trainer, shorts_first=2)
     trainer.train()
     log = rollouts(tmp_path)
     trained = [e for e in log if not e.get("dropped")]
@@ -263,7 +278,7 @@ def test_groups_sampled_after_a_broadcast_stopped_half_way_are_never_trained(ser
     args = in_flight_config(tmp_path, server.url, max_steps=3, max_weight_staleness=2, max_completion_length=256,
                             max_prompts_in_flight=4, transport="distributed", bucket_mb=0.05, distributed_timeout=3)
     trainer = RemoteGRPOTrainer(model=str(tiny_model), reward_funcs=low_ids, args=args, train_dataset=tiny_dataset(64))
-    shape_groups(trainer)
+    shape_groups(trainer, shorts_first=2)
     generation, partial, sampled_partly = trainer.remote_generation, threading.Event(), set()
     sample = generation._sample
 

@@ -39,7 +39,8 @@ def test_in_flight_lora_continues_the_completions_under_way_with_the_new_adapter
 
 
 def check_in_flight_lora(tiny_model, url: str, tmp_path, transport: str = "disk") -> None:
-    """4 prompts in flight, 2 a step: the long first group of each batch is under way at the syncs, which load the
+    """4 prompts in flight, 2 a step: step 1 trains the short groups of the first two batches, their long groups sent
+    once those are complete (`shape_groups`' `shorts_first`). A long group is under way at the syncs, which load the
     step's adapter (its dump; with `transport: distributed` its tensors in the request, no file) and abort it; it
     continues under the new adapter, spanning versions within the bound (2). Each group trains once, the server ends
     with the last two adapters (also run on real SGLang: test_real_sglang_training.py)."""
@@ -48,11 +49,12 @@ def check_in_flight_lora(tiny_model, url: str, tmp_path, transport: str = "disk"
                            max_weight_staleness=2, max_prompts_in_flight=4, beta=0.0,
                            generation_kwargs={"ignore_eos": True}, transport=transport)
     assert isinstance(trainer.remote_generation, InFlightGeneration) and trainer.weight_sync.adapter_only
-    shape_groups(trainer)
+    shape_groups(trainer, shorts_first=2)
     trainer.train()
     log = rollouts(tmp_path)
     trained = [e for e in log if not e.get("dropped")]
     assert [e["step"] for e in trained] == [1, 1, 2, 2, 3, 3]
+    assert sorted(e["group"] for e in trained if e["step"] == 1) == [[0, 1], [1, 1]], log
     assert max(trained_positions(log).values()) == 1  # each group trained once
     assert all(e["staleness"] == e["step"] - 1 - min(e["versions"]) for e in log)  # from the oldest token
     assert all(e["staleness"] <= 2 for e in trained), trained

@@ -8,7 +8,9 @@ run on the built-in server too (it answers such ids with HTTP 400)."""
 import os
 import signal
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,24 @@ def test_token_ids_outside_the_served_vocabulary_are_never_sent(own_server):
     assert healthy(own_server.url)
     (completion,), = client.generate([[5, 299, 6]], {"max_new_tokens": 2, "ignore_eos": True})  # the last id is fine
     assert len(completion.token_ids) == 2
+
+
+def test_threads_sending_their_first_requests_together_ask_the_vocabulary_once(server):
+    """In-flight generation sends each group from a thread of its own, all at once: one of them asks `/model_info` and
+    reads the model's config, the others wait for it (without the lock all four asked, each sending its request only
+    after its own answer and config read)."""
+    client = SGLangClient(server.url)
+    asked, model_info, together = [], client.model_info, threading.Barrier(4)
+    client.model_info = lambda: asked.append(threading.get_ident()) or model_info()
+
+    def first_request(_) -> int:
+        together.wait(timeout=30)
+        (completion,), = client.generate([[5, 6]], {"max_new_tokens": 1})
+        return len(completion.token_ids)
+
+    with ThreadPoolExecutor(max_workers=4) as threads:
+        assert list(threads.map(first_request, range(4))) == [1] * 4
+    assert len(asked) == 1, asked
 
 
 def test_a_killed_sglang_server_leaves_no_shared_memory_file_and_another_servers_stay(tiny_model, sglang_python,

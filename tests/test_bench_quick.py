@@ -160,4 +160,8 @@ def test_bench_dynamic_sampling_quick_writes_json(tmp_path):
           for ratio in ("steps_ratio", "generation_ratio", "wall_ratio")), "machine.cpu_cores"])
     assert "dynamic_sampling.inflight.plain.requests_s_per_step" not in figures  # untimed in flight
     assert figures["dynamic_sampling.plain.groups_generated_per_kept"] == 1.0  # nothing filtered without the filter
+    # every step of a plain side is one round; a filtered side's share of them is a fraction (none, in 2 steps, may be)
+    assert all(figures[f"dynamic_sampling.{mode}plain.one_round_steps"] == 1.0 for mode in modes)
+    assert_finite_positive(figures, [f"dynamic_sampling.{mode}plain.one_round_generation_s_per_step" for mode in modes])
+    assert all(0.0 <= figures[f"dynamic_sampling.{mode}filtered.one_round_steps"] <= 1.0 for mode in modes)
     assert figures["dynamic_sampling.seeds"] == 1 and figures["dynamic_sampling.max_steps"] == 2

@@ -16,7 +16,8 @@ reaches `THRESHOLD`; the generation time per step the training thread waits for 
 `timing/rollout_wait` and `timing/group_wait`: with async generation a batch and its oversampling are generated
 ahead, in flight the batch's groups, and the extra rounds at the step) and the time of its generation requests on any
 thread (`timing/generate` and `background/generate`; not in flight, where each group is a request of its own and
-untimed); the generation rounds per step; the
+untimed); the generation rounds per step, and the share of steps generated in one round with what those waited
+(beside the plain side's every step: what the generation costs where the oversampling fills the batch at once); the
 share of informative groups in the trained batches (with filtering `dynamic_sampling/informative_share`, without it
 1 - TRL's `frac_reward_zero_std`); and the groups generated per group trained (1.0 without filtering). A run that
 does not reach the threshold within `MAX_STEPS` counts as `MAX_STEPS` (said in the table).
@@ -27,8 +28,10 @@ Targets (issue 35): >= 1.5x fewer optimizer steps to the threshold, at <= 1.3x t
 
 `--quick` (under a minute on 2 CPU cores) runs one seed for 2 steps per side: it checks the harness only. `--json
 FILE` writes every figure under a stable key, e.g. `dynamic_sampling.steps_ratio`,
-`dynamic_sampling.filtered.generation_s_per_step`, `dynamic_sampling.plain.informative_share`, and the async and
-in-flight sides' under `dynamic_sampling.async.` and `dynamic_sampling.inflight.`.
+`dynamic_sampling.filtered.generation_s_per_step`, `dynamic_sampling.filtered.one_round_generation_s_per_step` (absent
+for a side with no step of one round), `dynamic_sampling.one_round_generation_ratio`,
+`dynamic_sampling.plain.informative_share`, and the async and in-flight sides' under `dynamic_sampling.async.` and
+`dynamic_sampling.inflight.`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ WAIT_PARTS = ("timing/generate", "timing/rollout_wait", "timing/group_wait")  # 
 def holds_target(completion_ids, **kwargs) -> list[float]:
     """1.0 for a completion that holds the target token, else 0.0."""
     return [1.0 if TARGET_TOKEN in ids else 0.0 for ids in completion_ids]
+
+
+def waited(step: dict) -> float:
+    """The seconds a logged step's training thread waited for generation."""
+    return sum(step.get(part, 0.0) for part in WAIT_PARTS)
 
 
 def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps: int, learning_rate: float,
@@ -106,6 +114,7 @@ def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps:
     trainer.train()
     wall_s = time.perf_counter() - reached["start"]
     steps = [h for h in trainer.state.log_history if "step_wall_time" in h]
+    one_round = [h for h in steps if h.get("dynamic_sampling/rounds", 1.0) == 1.0]  # every step of the plain side
     if filtering:
         share = statistics.fmean(h["dynamic_sampling/informative_share"] for h in steps)
         cost = (sum(h["dynamic_sampling/groups_generated"] for h in steps)
@@ -114,7 +123,9 @@ def run(model: Path, url: str, out: Path, seed: int, filtering: bool, max_steps:
         share, cost = statistics.fmean(1.0 - h["frac_reward_zero_std"] for h in steps), 1.0
     return {"steps": reached.get("step", max_steps), "reached": "step" in reached,
             "wall_s": reached.get("wall_s", wall_s),
-            "generation_s_per_step": statistics.fmean(sum(h.get(part, 0.0) for part in WAIT_PARTS) for h in steps),
+            "generation_s_per_step": statistics.fmean(waited(h) for h in steps),
+            "one_round_steps": len(one_round) / len(steps),
+            "one_round_generation_s_per_step": statistics.fmean(waited(h) for h in one_round) if one_round else None,
             "requests_s_per_step": None if "in_flight_updates" in MODES[mode] else statistics.fmean(
                 h.get("timing/generate", 0.0) + h.get("background/generate", 0.0) for h in steps),
             "rounds_per_step": statistics.fmean(h.get("dynamic_sampling/rounds", 1.0) for h in steps),
@@ -144,9 +155,10 @@ def main() -> int:
     figures = dict(facts)
     for side, runs in results.items():
         for key in ("steps", "wall_s", "generation_s_per_step", "requests_s_per_step", "rounds_per_step",
-                    "informative_share", "groups_generated_per_kept"):
-            if runs[0][key] is not None:
-                figures[f"dynamic_sampling.{side}.{key}"] = statistics.median(r[key] for r in runs)
+                    "one_round_steps", "one_round_generation_s_per_step", "informative_share",
+                    "groups_generated_per_kept"):
+            if values := [r[key] for r in runs if r[key] is not None]:  # of the runs that have it
+                figures[f"dynamic_sampling.{side}.{key}"] = statistics.median(values)
         figures[f"dynamic_sampling.{side}.reached"] = sum(r["reached"] for r in runs)
     for mode in MODES:
         plain, filtered = (f"dynamic_sampling.{mode}{side}." for side in ("plain", "filtered"))
@@ -154,6 +166,9 @@ def main() -> int:
         figures[f"dynamic_sampling.{mode}wall_ratio"] = figures[plain + "wall_s"] / figures[filtered + "wall_s"]
         figures[f"dynamic_sampling.{mode}generation_ratio"] = (figures[filtered + "generation_s_per_step"]
                                                                / figures[plain + "generation_s_per_step"])
+        if filtered + "one_round_generation_s_per_step" in figures:
+            figures[f"dynamic_sampling.{mode}one_round_generation_ratio"] = (
+                figures[filtered + "one_round_generation_s_per_step"] / figures[plain + "generation_s_per_step"])
     figures.update({"dynamic_sampling.seeds": len(seeds), "dynamic_sampling.max_steps": max_steps,
                     "dynamic_sampling.threshold": THRESHOLD, "dynamic_sampling.learning_rate": options.learning_rate,
                     "dynamic_sampling.max_oversampling": options.max_oversampling or "default"})
@@ -169,6 +184,9 @@ def main() -> int:
                                     ("generation time per step (s): waited for it", "generation_s_per_step", ".3f"),
                                     ("generation time per step (s): its requests", "requests_s_per_step", ".3f"),
                                     ("generation rounds per step", "rounds_per_step", ".2f"),
+                                    ("steps generated in one round", "one_round_steps", ".0%"),
+                                    ("generation time per step of one round (s): waited for it",
+                                     "one_round_generation_s_per_step", ".3f"),
                                     ("informative groups per trained batch", "informative_share", ".0%"),
                                     ("groups generated per group trained", "groups_generated_per_kept", ".2f"))]
     print(markdown_table(("measurement", *(f"{'dynamic sampling' if filtering else 'plain GRPO'}{MODE_LABELS[mode]}"
@@ -182,6 +200,10 @@ def main() -> int:
                    (f"generation time per step, filtered / plain{label}", f"{generation:.2f}",
                     f"<= {GENERATION_TARGET}", verdict(generation <= GENERATION_TARGET)),
                    (f"wall time to the threshold, plain / filtered{label}", f"{wall:.2f}", "-", "-")]
+        one_round = figures.get(f"dynamic_sampling.{mode}one_round_generation_ratio")
+        if one_round is not None:
+            ratios.append((f"generation time per step of one round, filtered / plain{label}", f"{one_round:.2f}",
+                           "-", "-"))
     print(markdown_table(("measurement", "value", "target", "met"), ratios))
     if options.json:
         write_json(options.json, figures)

@@ -158,9 +158,9 @@ def servers(recipe: Recipe, server_url: URLs, ref_url: URLs, server_dir: Optiona
             for role, spec in started_here.items():
                 embedded.append(embedded_server(recipe, role, spec, threads, server_gpus.get(role)))
                 stack.callback(embedded[-1].stop)
-                urls[role] = [embedded[-1].launch().url]
-            for server in embedded:  # each started before any is waited for: their start-ups overlap
-                server.wait_until_healthy()
+                embedded[-1].launch()
+            for role, server in zip(started_here, embedded):  # each started before any is waited for: their start-ups
+                urls[role] = [server.wait_until_healthy().url]  # overlap; its URL once up (a port taken: another)
             write_atomic(embedded_urls(recipe), json.dumps({role: urls[role] for role in started_here}))
         generation = urls.get("generation", [])
         if recipe.servers.reference == "generation":  # each generation server's reference (its /ref slot, built-in)

@@ -19,9 +19,10 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from open_r1_ext import RemoteGRPOTrainer
-from open_r1_ext.launch.local_server import (EPHEMERAL_PORTS, LOWEST_FREE_PORT, ORPHAN_AGE_S, SHARED_MEMORY,
-                                             BuiltinServer, SGLangServer, SharedMemoryFiles, free_port)
-from open_r1_ext.sglang_client import OutOfVocabularyError, SGLangClient
+from open_r1_ext.launch.local_server import (EPHEMERAL_PORTS, LOWEST_FREE_PORT, ORPHAN_AGE_S, PORT_RACE_RETRIES,
+                                             PORT_TAKEN, SHARED_MEMORY, BuiltinServer, SGLangServer, SharedMemoryFiles,
+                                             free_port)
+from open_r1_ext.sglang_client import OutOfVocabularyError, ServerError, SGLangClient
 from tests.helpers import reward_len, tiny_config
 
 # Tokens added to the tiny tokenizer: ids 300-339, past the model's 300. SGLang pads its embedding to a multiple of 64
@@ -153,3 +154,25 @@ def test_a_server_port_is_one_no_outgoing_connection_takes_meanwhile(server):
     assert len(ports) > 1 and all(LOWEST_FREE_PORT <= port < first_ephemeral for port in ports)
     with socket.create_connection(("127.0.0.1", server.port)) as outgoing:
         assert outgoing.getsockname()[1] >= first_ephemeral  # where the connections' ports come from
+
+
+def test_a_server_whose_port_is_taken_before_it_binds_it_is_launched_again(tiny_model, tmp_path, capfd):
+    """Another process takes the chosen port between its choice and the server's bind (what SGLang's `nccl_port`, also
+    chosen free and bound later, met once in a test run): the server ends saying `address already in use` and is
+    launched again on a new port; one given its port is launched again on it, and fails with its error once the port
+    stays taken (`PORT_RACE_RETRIES` more launches, each logged)."""
+    log = tmp_path / "server.log"
+    chosen = BuiltinServer(str(tiny_model), log_path=str(log))
+    taken = chosen.port
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", taken))
+        other.listen()
+        with chosen:
+            assert chosen.port != taken and healthy(chosen.url)
+            assert log.read_text().lower().count(PORT_TAKEN) == 1
+            assert f"on port {taken} found a port it binds taken at start-up" in capfd.readouterr().err
+        given = BuiltinServer(str(tiny_model), port=taken, log_path=str(tmp_path / "given.log"))
+        with pytest.raises(ServerError, match="exited with code"):
+            given.start()
+        assert given.port == taken
+        assert (tmp_path / "given.log").read_text().lower().count(PORT_TAKEN) == 1 + PORT_RACE_RETRIES

@@ -33,6 +33,11 @@ def die_with_parent() -> None:
 
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_FREE_PORT = 20000  # `free_port` picks from here up to the kernel's ephemeral range
+# A port chosen free and bound seconds later (the server's own, by `free_port`; SGLang's `nccl_port`, which it picks
+# itself in 22000-29999) may be taken meanwhile by another process choosing the same way: seen once in a run of the
+# tests, SGLang's scheduler failing with EADDRINUSE. A server that exits at start-up saying so is launched again.
+PORT_TAKEN = "address already in use"  # what the built-in server (uvicorn) and SGLang (its TCPStore) log then
+PORT_RACE_RETRIES = 2
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -166,12 +171,14 @@ class LocalServer:
         self.model_path = str(model_path)
         self.host = host
         self.port = port or free_port(host)
+        self._port_chosen = port is None  # here: another one may be chosen if it is taken before the server binds it
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
         self.startup_timeout = startup_timeout
         self.process: Optional[subprocess.Popen] = None
         self.shared_memory = SharedMemoryFiles()
         self._launched_at = 0.0
+        self._log_start = 0  # the log's size when the process was launched
 
     @property
     def url(self) -> str:
@@ -184,12 +191,21 @@ class LocalServer:
         """Start the server and wait for /health (`launch`, then `wait_until_healthy`)."""
         return self.launch().wait_until_healthy()
 
+    def _lost_a_port(self) -> bool:
+        """Whether the process ended and its log, since its launch, says a port it binds was taken."""
+        if self.process is None or self.process.poll() is None or self.log_path is None:
+            return False
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            return PORT_TAKEN in log.read().decode(errors="replace").lower()
+
     def launch(self) -> "LocalServer":
         """Start the server's process, not waiting for it. Started from the main thread, the server gets SIGTERM when
         this process dies, however it dies (even SIGKILL): an embedded server never outlives its trainer. (From
         another thread it would die with that thread, so there it is left to `stop()`.)"""
         remove_orphaned_shared_memory()
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self._log_start = self.log_path.stat().st_size if self.log_path else 0
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         on_main_thread = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -199,7 +215,24 @@ class LocalServer:
 
     def wait_until_healthy(self) -> "LocalServer":
         """Wait until the launched server answers /health: `ServerError` (naming its log) once it exits, or after
-        `startup_timeout` seconds from its launch."""
+        `startup_timeout` seconds from its launch. One that ends at start-up because a port it was to bind was taken
+        meanwhile (its log says `PORT_TAKEN`) is launched again, up to `PORT_RACE_RETRIES` times, on a new port when
+        its port was chosen here: its `url` is the one to use once this returns."""
+        relaunched = 0
+        while True:
+            try:
+                return self._wait_for_health()
+            except ServerError:
+                if relaunched == PORT_RACE_RETRIES or not self._lost_a_port():
+                    raise
+            relaunched += 1
+            self.stop()  # it ended: its shared-memory files removed
+            old, self.port = self.port, free_port(self.host) if self._port_chosen else self.port
+            print(f"the {self.name} on port {old} found a port it binds taken at start-up (another process chose it "
+                  f"meanwhile): launching it again on port {self.port}", file=sys.stderr, flush=True)
+            self.launch()
+
+    def _wait_for_health(self) -> "LocalServer":
         client = SGLangClient(self.url)
         deadline = self._launched_at + self.startup_timeout
         where = f"; see {self.log_path}" if self.log_path else ""
